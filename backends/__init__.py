@@ -1,0 +1,1 @@
+"""Engine adapters, one per engine. Each implements bench.backend.Backend."""

@@ -1,0 +1,119 @@
+"""The native PyTorch engine behind the harness's Backend interface."""
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling
+
+from .drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
+from .engine import generate
+from .loading import load_model
+from .sampling import SamplingParams
+
+METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip")
+_LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
+
+
+@dataclass
+class NativeConfig:
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    trace: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"backend.dtype={self.dtype!r} is not valid; use float32, bfloat16 or float16")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"backend.device={self.device!r} is not valid; use cpu or cuda[:N]")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"backend.device={self.device!r} but CUDA is not available here; use backend.device=cpu")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null (torch's default)")
+
+
+def _load(path: str, dtype: str, device: str):
+    key = (path, dtype, device)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_model(path, dtype=dtype, device=device)
+    return _LOADED[key]
+
+
+class NativeBackend(Backend):
+    name = "native"
+    supported_methods = METHODS
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, dtype: str = "float32",
+                 device: str = "cpu", threads: int | None = None, trace: bool = True, **unused):
+        self.cfg = NativeConfig(dtype=dtype, device=device, threads=threads, trace=trace)
+        self.method = dict(method)
+        name = self.method.get("name")
+        if name not in METHODS:
+            raise ValueError(f"method {name!r} is not supported by backend native; it supports {', '.join(METHODS)}")
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        self.model_path = model["path"]
+        self.model, self.tokenizer, self.args, self.resolved = _load(self.model_path, dtype, device)
+        self.k = num_speculative_tokens
+        self.drafter = self._make_drafter(name, self.method)
+        self.eos = tuple(self.args.eos_token_ids)
+
+    def _make_drafter(self, name: str, m: dict):
+        k, n_layers, vocab = self.k, self.args.n_layers, m.get("draft_vocab")
+        if vocab is not None and not 1 <= vocab <= self.args.vocab_size:
+            raise ValueError(f"method.draft_vocab={vocab} is not valid; use null or 1..{self.args.vocab_size}")
+        vocab_note = f", draft vocabulary = first {vocab} token ids" if vocab else ""
+        if name == "autoregressive":
+            return None
+        if name == "ngram":
+            return NgramDrafter(k, m.get("min_ngram", 1), m.get("max_ngram", 3), m.get("prefer_recent", True), m.get("min_hits", 1))
+        if name == "draft_model":
+            if m.get("draft_path"):
+                draft, dtok, dargs, _ = load_model(m["draft_path"], dtype=self.cfg.dtype, device=self.cfg.device)
+                if dargs.vocab_size != self.args.vocab_size or dtok.get_vocab_size() != self.tokenizer.get_vocab_size():
+                    raise ValueError(
+                        f"draft model {m['draft_path']!r} has a vocabulary of {dargs.vocab_size} (tokenizer "
+                        f"{dtok.get_vocab_size()}), the target {self.args.vocab_size} (tokenizer "
+                        f"{self.tokenizer.get_vocab_size()}); a draft model must share the target's tokenizer")
+                return ModelDrafter(draft, k, f"draft model {m['draft_path']}{vocab_note}", vocab)
+            L = m.get("draft_layers", n_layers // 3)
+            label = f"derived from target: its first {L} of {n_layers} layers + its output head (untrained){vocab_note}"
+            return ModelDrafter(self.model.truncated(L), k, label, vocab)
+        if name == "layer_skip":
+            skip = sorted(set(m.get("skip_layers") or []))
+            bad = [i for i in skip if not 0 <= i < n_layers]
+            if bad or not skip or len(skip) >= n_layers:
+                raise ValueError(f"method.skip_layers={skip} is not valid; give 1..{n_layers - 1} distinct layer "
+                                 f"indices in 0..{n_layers - 1}")
+            keep = [i for i in range(n_layers) if i not in skip]
+            return LayerSkipDrafter(self.model, k, keep, f"self-speculation skipping layers {skip} of {n_layers}{vocab_note}", vocab)
+        raise AssertionError(name)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
+        gen = torch.Generator().manual_seed(sampling.seed)
+        drafter = self.drafter if speculative else None
+        rows, cycles, wall = generate(self.model, prompts, max_new_tokens, sp, drafter=drafter, eos_ids=self.eos,
+                                      gen=gen, record_margins=not speculative and sp.greedy, trace=self.cfg.trace)
+        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by) for r in rows]
+        return BatchOutput(reqs, wall, cycles if self.cfg.trace else None)
+
+    def describe(self) -> dict:
+        d = {"engine": "specsweep-native", "torch": torch.__version__, "dtype": self.cfg.dtype, "device": self.cfg.device,
+             "threads": torch.get_num_threads(), "model_arch": self.args.arch, "model_resolved": str(self.resolved),
+             "drafter": getattr(self.drafter, "label", "none")}
+        if self.cfg.device.startswith("cuda"):
+            d["gpu"] = torch.cuda.get_device_name(self.cfg.device)
+        else:
+            d["cpu"] = platform.processor() or platform.machine()
+        return d

@@ -1,0 +1,162 @@
+"""Drafters for the native engine. Each proposes up to k tokens per active row and learns
+what was accepted. A drafter never touches the target's KV cache except the self-speculative
+ones (layer skip), which by design share it: the verify pass rewrites every slot they wrote.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import torch.nn.functional as F
+
+from .model import Transformer
+from .sampling import SamplingParams, select
+
+
+def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None):
+    """One drafting forward: the next token per row and its draft distribution over the full
+    vocabulary (zero outside the draft vocabulary), or None when greedy."""
+    logits = model(toks, pos, rows=rows, layers=layers, vocab_limit=vocab_limit)[:, -1]
+    nxt, probs = select(logits, sp, gen)
+    if probs is not None and vocab_limit is not None:
+        probs = F.pad(probs, (0, model.args.vocab_size - probs.shape[-1]))
+    return nxt, probs
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]  # per active row, 0..k tokens
+    probs: list[torch.Tensor | None]  # per row [len, V] draft probabilities, None = deterministic
+
+
+class NgramDrafter:
+    """Prompt lookup: find an earlier occurrence of the context's last n tokens (n from max_ngram
+    down to min_ngram) and propose the k tokens that followed it, as llama.cpp's ngram-simple and
+    transformers' prompt_lookup_num_tokens do. prefer_recent takes the latest match (llama.cpp)
+    rather than the earliest (transformers); min_hits asks that the n-gram occurred that often."""
+
+    label = "n-gram prompt lookup"
+
+    def __init__(self, k: int, min_ngram: int = 1, max_ngram: int = 3, prefer_recent: bool = True, min_hits: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if min_hits < 1:
+            raise ValueError(f"min_hits must be >= 1, got {min_hits}")
+        self.k, self.min_n, self.max_n = k, min_ngram, max_ngram
+        self.prefer_recent, self.min_hits = prefer_recent, min_hits
+
+    def prefill(self, rows, prompts):
+        pass
+
+    def lookup(self, seq: list[int]) -> list[int]:
+        arr = np.asarray(seq, dtype=np.int64)
+        L = len(arr)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            suffix = arr[L - n:]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # excludes the suffix itself
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            hits = hits[hits + n < L]  # a continuation must exist
+            if len(hits) < self.min_hits:
+                continue
+            start = int(hits[-1] if self.prefer_recent else hits[0]) + n
+            return arr[start : start + self.k].tolist()
+        return []
+
+    def propose(self, rows, seqs, sp, gen) -> Proposal:
+        toks = [self.lookup(s) for s in seqs]
+        return Proposal(toks, [None] * len(toks))
+
+    def accepted(self, rows, old_lens, n_accepted):
+        pass
+
+    def release(self, row):
+        pass
+
+
+class ModelDrafter:
+    """A separate draft model with its own KV cache, kept in sync with what was accepted.
+
+    The target's last token is never in either cache when a cycle starts (it is fed with the
+    draft). Per row, draft_len counts the tokens whose KV the draft cache holds correctly; a
+    cycle feeds the missing tail (1 or 2 tokens), then drafts k tokens one forward at a time.
+    Rows with a shorter tail re-feed an already cached token at its own position, which rewrites
+    the same values: batching stays one forward per step."""
+
+    def __init__(self, model: Transformer, k: int, label: str, vocab_limit: int | None = None):
+        self.model, self.k, self.label, self.vocab_limit = model, k, label, vocab_limit
+        self.draft_len: dict[int, int] = {}
+
+    def setup(self, max_batch: int, max_len: int):
+        self.model.setup_cache(max_batch, max_len)
+
+    def prefill(self, row: int, prompt: list[int]):
+        dev = self.model.embed.weight.device
+        toks = torch.tensor([prompt], device=dev)
+        pos = torch.arange(len(prompt), device=dev)[None]
+        self.model(toks, pos, rows=torch.tensor([row], device=dev), logits_for=torch.zeros_like(toks, dtype=torch.bool))
+        self.draft_len[row] = len(prompt)
+
+    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen) -> Proposal:
+        dev = self.model.embed.weight.device
+        tails = [len(s) - self.draft_len[r] for r, s in zip(rows, seqs)]
+        T = max(tails)
+        toks, pos = [], []
+        for s, tail in zip(seqs, tails):
+            start = len(s) - T  # left-pad with cached tokens at their own positions
+            toks.append(s[start:])
+            pos.append(list(range(start, len(s))))
+        rows_t = torch.tensor(rows, device=dev)
+        toks_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(pos, device=dev)
+        out_toks, out_probs = [], []
+        for _ in range(self.k):
+            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit)
+            out_toks.append(nxt)
+            out_probs.append(probs)
+            toks_t, pos_t = nxt[:, None], pos_t[:, -1:] + 1
+        drafts = torch.stack(out_toks, 1).tolist()
+        probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
+        for r, s in zip(rows, seqs):
+            self.draft_len[r] = len(s) + self.k - 1  # d_1..d_{k-1} were fed
+        return Proposal(drafts, probs)
+
+    def accepted(self, rows, old_lens, n_accepted):
+        for r, n, a in zip(rows, old_lens, n_accepted):
+            self.draft_len[r] = min(self.draft_len[r], n + a)
+
+    def release(self, row):
+        self.draft_len.pop(row, None)
+
+
+class LayerSkipDrafter:
+    """Self-speculation: the target itself with some layers skipped drafts, and the full target
+    verifies. It shares the target's KV cache: drafting writes only slots at or after the row's
+    pending position, all of which the verify pass then rewrites with full-model values."""
+
+    def __init__(self, target: Transformer, k: int, layers: list[int], label: str, vocab_limit: int | None = None):
+        self.model, self.k, self.layers, self.label, self.vocab_limit = target, k, layers, label, vocab_limit
+
+    def prefill(self, row, prompt):
+        pass
+
+    def propose(self, rows, seqs, sp, gen) -> Proposal:
+        dev = self.model.embed.weight.device
+        rows_t = torch.tensor(rows, device=dev)
+        toks_t = torch.tensor([[s[-1]] for s in seqs], device=dev)
+        pos_t = torch.tensor([[len(s) - 1] for s in seqs], device=dev)
+        out_toks, out_probs = [], []
+        for _ in range(self.k):
+            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, self.layers)
+            out_toks.append(nxt)
+            out_probs.append(probs)
+            toks_t, pos_t = nxt[:, None], pos_t + 1
+        drafts = torch.stack(out_toks, 1).tolist()
+        probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
+        return Proposal(drafts, probs)
+
+    def accepted(self, rows, old_lens, n_accepted):
+        pass
+
+    def release(self, row):
+        pass

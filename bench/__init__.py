@@ -1,0 +1,3 @@
+"""specsweep: a benchmarking harness for speculative decoding."""
+
+__version__ = "0.1.0"

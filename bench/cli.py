@@ -1,0 +1,112 @@
+"""Command-line entry points: `specsweep` (a Hydra app) and the end-of-sweep summary."""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from .config import ConfigError, register_configs
+
+log = logging.getLogger("specsweep")
+register_configs()
+
+TABLE_COLUMNS = ["method", "workload", "batch_size", "temperature", "status", "speedup", "acceptance_rate",
+                 "mean_acceptance_length", "tokens_per_forward", "verify_fraction", "draft_fraction", "lossless"]
+
+
+def _progress_factory(name: str, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=False, disable=not sys.stderr.isatty())
+    prog.start()
+    task = prog.add_task(name[:60], total=total)
+
+    def step(n: int = 1, close: bool = False):
+        if close:
+            prog.stop()
+        else:
+            prog.advance(task, n)
+            if not sys.stderr.isatty():
+                done = int(prog.tasks[0].completed)
+                log.info("%s: %d/%d batches measured", name, done, total)
+
+    return step
+
+
+def print_table(df, title: str = "specsweep") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    cols = [c for c in TABLE_COLUMNS if c in df.columns]
+    for c in cols:
+        t.add_column(c, justify="right" if c not in ("method", "workload", "status", "lossless") else "left")
+    for _, r in df.sort_values([c for c in ("workload", "method", "batch_size") if c in df.columns]).iterrows():
+        cells = []
+        for c in cols:
+            v = r[c]
+            if c == "speedup" and isinstance(v, float) and v == v:
+                lo, hi = r.get("speedup_ci_low"), r.get("speedup_ci_high")
+                cells.append(f"{v:.2f} [{lo:.2f}, {hi:.2f}]" if lo == lo and hi == hi and lo is not None else f"{v:.2f}")
+            elif isinstance(v, float):
+                cells.append("-" if v != v else f"{v:.3f}")
+            else:
+                cells.append("-" if v is None else str(v))
+        t.add_row(*cells)
+    Console(width=200).print(t)
+
+
+class SweepSummary(Callback):
+    """After a sweep: gather the index, print the table, write the report."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        self._finish(config)
+
+    def on_run_end(self, config: DictConfig, **kwargs) -> None:
+        self._finish(config)
+
+    def _finish(self, config: DictConfig) -> None:
+        from .report import write_report
+        from .results import build_index
+
+        sweep_dir = Path(config.results_dir).resolve() / config.sweep_name
+        if not sweep_dir.exists():
+            return
+        df = build_index(sweep_dir)
+        if df.empty:
+            return
+        print_table(df, title=f"specsweep: {sweep_dir}")
+        errors = df[df.status == "error"]
+        for _, r in errors.iterrows():
+            log.error("job %s: %s", r.job, r.error)
+        if config.report:
+            out = write_report(sweep_dir)
+            print(f"results: {sweep_dir}\nreport:  {out / 'summary.md'} (plots in {out})")
+
+
+# conf/ sits at the project root (DESIGN.md's layout); an absolute path finds it from any cwd.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> dict | None:
+    from .runner import run_job
+
+    try:
+        row = run_job(cfg, progress_factory=_progress_factory)
+    except ConfigError as e:
+        log.error("%s", e)
+        raise SystemExit(2) from None
+    sp = row.get("speedup")
+    log.info("%s: status=%s speedup=%s acceptance=%s", row.get("job"), row.get("status"),
+             f"{sp:.3f}" if isinstance(sp, float) else sp, row.get("acceptance_rate"))
+    return None
+
+
+if __name__ == "__main__":
+    main()

