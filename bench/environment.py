@@ -58,7 +58,7 @@ def peak_rss_mib() -> float:
 
 
 def snapshot() -> dict:
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "cpu": cpu_model(),
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "pid": os.getpid(), "cpu": cpu_model(),
             "cpu_count": os.cpu_count(), "loadavg": load_average(), "python": platform.python_version(),
             "git_commit": git_commit(), "packages": package_versions(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}

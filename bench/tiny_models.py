@@ -1,0 +1,53 @@
+"""Tiny models built here, for tests and for engines' smoke checks: random weights and a BPE
+tokenizer trained locally on the Python standard library's source. Nothing is downloaded.
+They exercise architectures and code paths, not language quality."""
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+
+def train_tokenizer(vocab_size: int = 512, max_files: int = 40):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:max_files]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in files], trainer)
+    return tok
+
+
+def build_tiny_llama(folder: str | Path, vocab_size: int = 512, hidden: int = 64, layers: int = 4, heads: int = 4,
+                     kv_heads: int = 2, seed: int = 0, arch: str = "llama") -> Path:
+    """A random-weight Llama (or Qwen2/Qwen3) in the Hugging Face layout: config.json,
+    model.safetensors, tokenizer.json. Returns the folder."""
+    import torch
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size)
+    tok.save(str(folder / "tokenizer.json"))
+    v = tok.get_vocab_size()
+    common = dict(vocab_size=v, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    extra = {"head_dim": hidden // heads} if arch == "qwen3" else {}
+    config = cfg_cls(**common, **extra)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # larger than the default init so that the logits are not all near-equal
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    (folder / "specsweep_tiny.json").write_text(json.dumps({"built_by": "specsweep.bench.tiny_models", "arch": arch,
+                                                            "random_weights": True, "seed": seed}))
+    return folder

@@ -1,0 +1,78 @@
+"""Config errors: caught before any model loads, naming the bad value and what is valid."""
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from omegaconf import OmegaConf
+
+from bench.cli import CONF_DIR
+from bench.config import ConfigError, validate
+from bench.runner import check_backend_supports
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_default_config_is_valid_and_has_the_contract_keys():
+    cfg = _cfg()
+    validate(cfg)
+    for key in ("backend", "model", "method", "workload", "batch_size", "temperature", "top_p", "num_speculative_tokens",
+                "max_new_tokens", "num_prompts", "repeats", "seed", "results_dir", "sweep_name", "force"):
+        assert key in cfg, key
+
+
+def test_unknown_method_lists_valid_names():
+    with pytest.raises(MissingConfigException) as e:
+        _cfg("method=medusa9")
+    msg = str(e.value)
+    assert "medusa9" in msg and "ngram" in msg and "draft_model" in msg
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("batch_size=-1", "batch_size=-1: use 1 or more"),
+    ("temperature=-0.5", "temperature=-0.5: use 0"),
+    ("top_p=1.5", "top_p=1.5: use a value in (0, 1]"),
+    ("num_speculative_tokens=0", "num_speculative_tokens=0: a speculative method (ngram) needs 1 or more"),
+    ("repeats=0", "repeats=0: use 1 or more"),
+    ("baseline=sometimes", "baseline='sometimes': use shared or paired"),
+])
+def test_invalid_values_say_what_is_allowed(override, expected):
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg(override))
+    assert expected in str(e.value)
+
+
+def test_k_zero_is_fine_for_the_baseline():
+    validate(_cfg("method=autoregressive", "num_speculative_tokens=0"))
+
+
+def test_wrong_type_is_rejected_by_the_schema():
+    with pytest.raises(Exception, match="batch_size"):
+        _cfg("batch_size=four")
+
+
+def test_method_the_backend_cannot_run_is_a_config_error():
+    c = OmegaConf.to_container(_cfg(), resolve=True)
+    c["method"] = {"name": "eagle3", "speculative": True}
+    with pytest.raises(ConfigError, match="'eagle3' is not supported by backend 'native'; it supports autoregressive, ngram"):
+        check_backend_supports(c)
+
+
+def test_cli_rejects_bad_value_before_loading_anything(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "batch_size=0", "method=ngram",
+                        "workload=chat"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "batch_size=0: use 1 or more" in r.stdout + r.stderr
+    assert not list(tmp_path.rglob("summary.json"))
+
+
+def test_cli_unknown_workload_lists_options(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "workload=poetry"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "poetry" in out and "code_edit" in out and "summarization" in out

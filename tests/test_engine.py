@@ -1,0 +1,188 @@
+"""The native engine's draft/verify loop on the real default model (Gemma 3 270M) and on tiny
+models built here: lossless greedy output for every method, ragged batches, the KV cache after
+rejections, and the errors a user can hit."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from backends.native import NativeBackend
+from backends.native.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
+from backends.native.engine import generate
+from backends.native.loading import load_model
+from backends.native.sampling import SamplingParams, probs_from_logits
+from bench.backend import Sampling
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return",
+    "Question: Why is the sky blue?\nAnswer:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "import os\nimport sys\n\n\ndef main():\n    path = os.path.join(sys.argv[1], 'data')\n    print(path)\n    path2 = os.path",
+]
+
+
+def _enc(tok, texts):
+    return [tok.encode(t).ids for t in texts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [
+    lambda m: NgramDrafter(4),
+    lambda m: ModelDrafter(m.truncated(12), 3, "first 12 layers"),
+    lambda m: LayerSkipDrafter(m, 3, [i for i in range(18) if i not in (4, 8, 12)], "skip 4,8,12"),
+], ids=["ngram", "draft_model", "layer_skip"])
+def test_every_method_is_greedy_identical_to_the_baseline(gemma, make):
+    model, tok, _, _ = gemma
+    prompts = _enc(tok, PROMPTS[:2])
+    base, _, _ = generate(model, prompts, 24, SamplingParams())
+    spec, cycles, _ = generate(model, prompts, 24, SamplingParams(), drafter=make(model))
+    assert [r.tokens for r in spec] == [r.tokens for r in base]
+    assert sum(c["drafted"] for c in cycles) > 0
+    assert all(0 <= c["accepted"] <= c["drafted"] for c in cycles)
+    # a cycle emits accepted + 1 tokens unless the token limit cut it
+    assert all(c["emitted"] <= c["accepted"] + 1 for c in cycles)
+    assert sum(c["emitted"] for c in cycles) + len(prompts) == sum(len(r.tokens) for r in spec)
+
+
+@pytest.mark.slow
+def test_ragged_batch_matches_batch_one_and_rows_leave(gemma):
+    model, tok, _, _ = gemma
+    prompts = _enc(tok, PROMPTS)
+    assert len({len(p) for p in prompts}) == 4  # different lengths
+    singles = [generate(model, [p], 32, SamplingParams())[0][0] for p in prompts]
+    batch, cycles, _ = generate(model, prompts, 32, SamplingParams(), drafter=NgramDrafter(4))
+    for s, b in zip(singles, batch):
+        if b.tokens != s.tokens:  # allowed only at a near-tied argmax (multi-row matmuls reorder sums)
+            i = next(i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y)
+            assert s.margins[i] < 0.05, (i, s.margins[i])
+    # rows accepted different numbers of tokens in the same cycle, and finished rows left
+    by_cycle = {}
+    for c in cycles:
+        by_cycle.setdefault(c["cycle"], []).append(c["accepted"])
+    assert any(len(set(v)) > 1 for v in by_cycle.values())
+    assert min(c["batch_rows"] for c in cycles) < 4
+
+
+@pytest.mark.slow
+def test_cache_after_rejections_equals_a_fresh_prefill(gemma):
+    model, tok, _, _ = gemma
+    prompt = _enc(tok, PROMPTS[:1])[0]
+    drafter = LayerSkipDrafter(model, 4, list(range(0, 18, 2)), "every other layer")  # many rejections
+    out, cycles, _ = generate(model, [prompt], 20, SamplingParams(), drafter=drafter)
+    assert any(c["accepted"] < c["drafted"] for c in cycles)
+    seq = prompt + out[0].tokens
+    n = len(seq) - 1  # the last token is never fed
+    after = [(c.k[0, :n].clone(), c.v[0, :n].clone()) for c in model.caches]
+    with torch.inference_mode():
+        model(torch.tensor([seq[:-1]]), torch.arange(n)[None], logits_for=torch.zeros(1, n, dtype=torch.bool))
+    for (k, v), c in zip(after, model.caches):
+        assert torch.allclose(k, c.k[0, :n], atol=1e-4) and torch.allclose(v, c.v[0, :n], atol=1e-4)
+
+
+def test_separate_draft_model_keeps_its_cache_in_sync(tiny_llama, tmp_path):
+    """A second tiny model (other seed, same tokenizer) as draft, batch 3, greedy identity."""
+    from bench.tiny_models import build_tiny_llama
+
+    draft_dir = build_tiny_llama(tmp_path / "draft", layers=2, seed=1)
+    target, tok, _, _ = load_model(str(tiny_llama))
+    draft, _, _, _ = load_model(str(draft_dir))
+    prompts = _enc(tok, PROMPTS[:3])
+    base, _, _ = generate(target, prompts, 40, SamplingParams())
+    d = ModelDrafter(draft, 3, "tiny draft")
+    spec, cycles, _ = generate(target, prompts, 40, SamplingParams(), drafter=d)
+    assert [r.tokens for r in spec] == [r.tokens for r in base]
+    # self-drafting (draft = target) accepts everything: a free correctness check of the sync
+    selfd = ModelDrafter(load_model(str(tiny_llama))[0], 3, "self")
+    spec2, cycles2, _ = generate(target, prompts, 40, SamplingParams(), drafter=selfd)
+    assert [r.tokens for r in spec2] == [r.tokens for r in base]
+    assert all(c["accepted"] == c["drafted"] == 3 for c in cycles2)  # alpha = 1 exactly
+
+
+def test_speculative_sampling_reproduces_the_target_distribution(tiny_llama, tmp_path):
+    """Sampled output of draft/verify (T=1, top_k=2, draft = the target's first 2 of 4 layers
+    with its own cache) against the target's exact distribution over the first three tokens:
+    8 outcomes, 4000 draws, chi-square."""
+    target, tok, _, _ = load_model(str(tiny_llama))
+    draft = target.truncated(3)
+    sp = SamplingParams(temperature=1.0, top_k=2)
+    prompt = tok.encode("def f(x):\n    return").ids
+    # exact p(t1, t2, t3) under top-k 2 sampling, from full forwards
+    exact = {}
+    target.setup_cache(1, 64)
+
+    def dist(seq):
+        with torch.inference_mode():
+            lg = target(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1:]
+        return probs_from_logits(lg, sp)[0]
+
+    p1 = dist(prompt)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = dist(prompt + [t1])
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            p3 = dist(prompt + [t1, t2])
+            for t3 in torch.nonzero(p3).flatten().tolist():
+                exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    assert len(exact) == 8
+    counts = {key: 0 for key in exact}
+    gen = torch.Generator().manual_seed(0)
+    drafter = ModelDrafter(draft, 2, "tiny draft")
+    rows = 400
+    accepted = drafted = 0
+    for _ in range(10):
+        out, cycles, _ = generate(target, [prompt] * rows, 3, sp, drafter=drafter, gen=gen)
+        accepted += sum(c["accepted"] for c in cycles)
+        drafted += sum(c["drafted"] for c in cycles)
+        for r in out:
+            counts[tuple(r.tokens)] += 1
+    keys = sorted(exact)
+    obs = np.array([counts[k] for k in keys], float)
+    exp = np.array([exact[k] for k in keys]) / sum(exact.values()) * obs.sum()
+    assert chisquare(obs, exp).pvalue > 1e-3
+    assert 0.02 < accepted / drafted < 0.98  # both the accept and the resample paths were exercised
+
+
+def test_errors_for_bad_models(tmp_path, tiny_llama):
+    with pytest.raises(FileNotFoundError, match="does not exist; pass 'gemma3-270m'"):
+        load_model(str(tmp_path / "nope"))
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama"):
+        load_model(str(bad))
+    (tmp_path / "w.bin").write_text("x")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        load_model(str(tmp_path / "w.bin"))
+    with pytest.raises(ValueError, match="dtype 'int3' is not supported"):
+        load_model(str(tiny_llama), dtype="int3")
+
+
+def test_draft_with_a_different_vocabulary_is_refused(tiny_llama, tmp_path):
+    from bench.tiny_models import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "other", vocab_size=400)
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        NativeBackend({"path": str(tiny_llama)}, {"name": "draft_model", "draft_path": str(other)}, num_speculative_tokens=3)
+
+
+def test_backend_config_errors(tiny_llama):
+    with pytest.raises(ValueError, match="backend.dtype='fp8' is not valid"):
+        NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, dtype="fp8")
+    with pytest.raises(ValueError, match="method.skip_layers=\\[9\\] is not valid"):
+        NativeBackend({"path": str(tiny_llama)}, {"name": "layer_skip", "skip_layers": [9]})
+    with pytest.raises(ValueError, match="draft_layers must be in 1..3"):
+        NativeBackend({"path": str(tiny_llama)}, {"name": "draft_model", "draft_layers": 4})
+
+
+def test_backend_generate_returns_interface_records(tiny_llama):
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=3)
+    ids = [b.tokenize(t) for t in PROMPTS[:2]]
+    out = b.generate(ids, Sampling(), 12, speculative=True)
+    assert len(out.requests) == 2 and out.wall_s > 0
+    r = out.requests[0]
+    assert len(r.output_token_ids) == 12 and 0 < r.ttft_s <= r.e2e_s
+    assert set(out.cycles[0]) >= {"cycle", "row", "drafted", "accepted", "emitted", "kv_len", "t_draft", "t_verify", "t_other"}
+    base = b.generate(ids, Sampling(), 12, speculative=False)
+    assert base.requests[0].top2_margins is not None and len(base.requests[0].top2_margins) == 12
+    assert [q.output_token_ids for q in base.requests] == [q.output_token_ids for q in out.requests]

@@ -1,0 +1,91 @@
+"""Each metric against numbers computed by hand."""
+import math
+
+import pandas as pd
+import pytest
+
+from bench import metrics
+
+# Four cycles: k = 4, 4, 0 (no draft), 2; a = 2, 4, 0, 0.
+DRAFTED = [4, 4, 0, 2]
+ACCEPTED = [2, 4, 0, 0]
+EMITTED = [3, 5, 1, 1]
+
+
+def test_acceptance_rate_is_token_weighted():
+    assert metrics.acceptance_rate(DRAFTED, ACCEPTED) == pytest.approx(6 / 10)
+    assert math.isnan(metrics.acceptance_rate([0, 0], [0, 0]))
+
+
+def test_mean_acceptance_length_counts_bonus_over_drafting_cycles():
+    # cycles with k>0: (2+1) + (4+1) + (0+1) = 9 over 3 cycles
+    assert metrics.mean_acceptance_length(DRAFTED, ACCEPTED) == pytest.approx(3.0)
+
+
+def test_tokens_per_forward_over_all_cycles():
+    assert metrics.tokens_per_forward(EMITTED) == pytest.approx(10 / 4)
+
+
+def test_per_position_acceptance():
+    # j=1: drafted>=1 in cycles 0,1,3 (3); accepted>=1 in 0,1 -> 2/3
+    # j=2: drafted>=2: 0,1,3 (3); accepted>=2: 0,1 -> 2/3
+    # j=3: drafted>=3: 0,1 (2); accepted>=3: 1 -> 1/2 ; j=4: 1/2
+    assert metrics.per_position_acceptance(DRAFTED, ACCEPTED, 4) == pytest.approx([2 / 3, 2 / 3, 1 / 2, 1 / 2])
+
+
+def test_conditional_acceptance():
+    # j=1: reached = drafted>=1 -> 3 cycles, 2 accept -> 2/3
+    # j=2: accepted>=1 & drafted>=2 -> cycles 0,1 -> both accept 2 -> 1
+    # j=3: accepted>=2 & drafted>=3 -> cycles 0,1 -> only 1 -> 1/2 ; j=4: cycle 1 -> 1
+    assert metrics.conditional_acceptance(DRAFTED, ACCEPTED, 4) == pytest.approx([2 / 3, 1.0, 0.5, 1.0])
+
+
+def test_request_acceptance_weights_requests_equally():
+    df = pd.DataFrame({"request_id": ["a", "a", "b"], "drafted": [4, 4, 2], "accepted": [4, 4, 0]})
+    r = metrics.request_acceptance(df)
+    assert r["request_acceptance_mean"] == pytest.approx(0.5)  # token-weighted would be 0.8
+    assert r["request_acceptance_p50"] == pytest.approx(0.5)
+    assert r["request_acceptance_p10"] == pytest.approx(0.1)
+    assert r["request_acceptance_p90"] == pytest.approx(0.9)
+
+
+def test_time_fractions_count_a_batched_cycle_once():
+    df = pd.DataFrame({"repeat": [0, 0, 0], "batch": [0, 0, 0], "cycle": [0, 0, 1], "t_draft": [1.0, 1.0, 0.0],
+                       "t_verify": [2.0, 2.0, 3.0], "t_other": [1.0, 1.0, 0.0]})
+    f = metrics.time_fractions(df)
+    assert f["verify_fraction"] == pytest.approx(5 / 7)
+    assert f["draft_fraction"] == pytest.approx(1 / 7)
+    assert f["other_fraction"] == pytest.approx(1 / 7)
+
+
+def test_expected_tokens_is_geometric_not_alpha_times_k():
+    assert metrics.expected_tokens_per_cycle(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert metrics.expected_tokens_per_cycle(1.0, 3) == 4.0
+    assert metrics.expected_tokens_per_cycle(0.0, 3) == 1.0
+
+
+def test_predicted_speedup():
+    # alpha 0.5, k 3: 1.875 tokens; cost 3 * 0.1 + 1.2 = 1.5 steps
+    assert metrics.predicted_speedup(0.5, 3, 0.1, 1.2) == pytest.approx(1.875 / 1.5)
+
+
+def test_verify_cost_ratio_uses_medians():
+    assert metrics.verify_cost_ratio([2.0, 3.0, 100.0], [1.0, 1.0, 1.5]) == pytest.approx(3.0)
+
+
+def test_speedup_interval_brackets_the_point():
+    s = metrics.speedup_with_interval([20, 22, 21, 19], [10, 11, 10, 10])
+    assert s["speedup"] == pytest.approx(20.5 / 10)
+    assert s["speedup_ci_low"] <= s["speedup"] <= s["speedup_ci_high"]
+    assert 1.7 < s["speedup_ci_low"] and s["speedup_ci_high"] < 2.3
+
+
+def test_percentiles_ignore_nan():
+    p = metrics.percentiles([1.0, 2.0, float("nan"), 3.0], qs=(50,), prefix="x_")
+    assert p == {"x_p50": 2.0}
+
+
+def test_first_divergence():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert metrics.first_divergence([1, 2], [1, 2, 3]) == 2

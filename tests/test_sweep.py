@@ -1,0 +1,138 @@
+"""The `specsweep` command end to end: a real sweep on the default model, resume, failures,
+Ctrl-C, the joblib launcher, and the report."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+INDEX_COLUMNS = {"backend", "model", "method", "workload", "batch_size", "temperature", "num_speculative_tokens", "status",
+                 "error", "speedup", "acceptance_rate", "mean_acceptance_length", "tokens_per_forward", "verify_fraction",
+                 "draft_fraction", "lossless"}
+
+
+def specsweep(*args, timeout=900, **kw):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "bench.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, **kw)
+
+
+def _summaries(sweep: Path):
+    return {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/summary.json")}
+
+
+@pytest.mark.slow
+def test_small_real_sweep_end_to_end(tmp_path):
+    r = specsweep(f"results_dir={tmp_path}", "sweep_name=e2e", "method=ngram,layer_skip", "workload=code_edit",
+                  "batch_size=1,2", "num_prompts=2", "max_new_tokens=10", "repeats=2", "num_speculative_tokens=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    sweep = tmp_path / "e2e"
+    idx = pd.read_parquet(sweep / "index.parquet")
+    assert INDEX_COLUMNS <= set(idx.columns)
+    assert pd.read_csv(sweep / "index.csv").shape[0] == 4
+    assert len(idx) == 4 and set(idx.status) == {"ok"}
+    assert set(idx.lossless) == {"true"}
+    assert idx.acceptance_rate.between(0, 1).all() and (idx.mean_acceptance_length >= 1).all()
+    assert (idx.speedup > 0).all() and (idx.speedup_ci_low <= idx.speedup).all() and (idx.speedup <= idx.speedup_ci_high).all()
+    assert (idx.verify_fraction + idx.draft_fraction + idx.other_fraction).round(6).eq(1).all()
+    for col in ("tokens_per_forward", "verify_cost_ratio", "predicted_speedup", "ttft_p50", "tpot_p50", "itl_p99",
+                "tokens_per_s", "baseline_tokens_per_s", "peak_rss_mib"):
+        assert (idx[col] > 0).all(), col
+    row = _summaries(sweep)[idx.job[0]]
+    assert row["env"]["packages"]["torch"] and row["env"]["loadavg"] and row["engine"]["threads"] >= 1
+    assert len(row["per_position_acceptance"]) == 3 and len(row["conditional_acceptance"]) == 3
+    job = sweep / idx.job[0]
+    req = pd.read_parquet(job / "requests.parquet")
+    cyc = pd.read_parquet(job / "cycles.parquet")
+    assert {"prompt_token_ids", "output_token_ids", "output_text", "ttft_s", "e2e_s"} <= set(req.columns)
+    assert set(req.run) == {"baseline", "spec"} and req.request_id.nunique() == 2
+    assert {"drafted", "accepted", "emitted", "kv_len", "t_draft", "t_verify", "t_other"} <= set(cyc.columns)
+    assert (cyc.accepted <= cyc.drafted).all()
+    # one baseline per (backend, model, workload, batch, sampling, seed), reused by both methods
+    assert len(list((sweep / "baselines").glob("*/baseline.json"))) == 2
+    assert sorted(idx.baseline_from.str.contains("reused")) == [False, False, True, True]
+    # the report
+    for png in ("speedup_vs_batch", "per_position_acceptance", "time_split", "predicted_vs_measured"):
+        assert (sweep / "report" / f"{png}.png").stat().st_size > 1000
+    assert "| method |" in (sweep / "report" / "summary.md").read_text()
+    assert "speedup" in r.stdout and "ngram" in r.stdout  # the printed table
+
+
+def test_resume_skips_completed_jobs_and_force_reruns(tmp_path, tiny_llama):
+    args = [f"results_dir={tmp_path}", "sweep_name=resume", "model=local", f"model.path={tiny_llama}", "method=ngram",
+            "workload=chat", "batch_size=1,2", "num_prompts=2", "max_new_tokens=8", "repeats=1", "report=false"]
+    assert specsweep(*args).returncode == 0
+    sweep = tmp_path / "resume"
+    before = {p: p.stat().st_mtime_ns for p in sweep.glob("*/*.parquet")}
+    assert len(before) == 4
+    r = specsweep(*args)
+    assert r.returncode == 0 and r.stdout.count("skip ") + r.stderr.count("skip ") == 2
+    assert {p: p.stat().st_mtime_ns for p in sweep.glob("*/*.parquet")} == before
+    r = specsweep(*args, "force=true", "batch_size=1")
+    assert r.returncode == 0
+    changed = [p for p, t in before.items() if p.stat().st_mtime_ns != t]
+    assert len(changed) == 2 and all("-b1-" in str(p) for p in changed)
+
+
+def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path, tiny_llama):
+    r = specsweep(f"results_dir={tmp_path}", "sweep_name=fail", "model=local", f"model.path={tmp_path}/missing.gguf,{tiny_llama}",
+                  "method=ngram", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=6", "repeats=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    idx = pd.read_parquet(tmp_path / "fail" / "index.parquet")
+    assert sorted(idx.status) == ["error", "ok"]
+    err = idx[idx.status == "error"].iloc[0]
+    assert "missing.gguf" in err.error and "does not exist" in err.error
+    assert "did not complete" in (tmp_path / "fail" / "report" / "summary.md").read_text()
+
+
+def test_ctrl_c_keeps_completed_jobs(tmp_path, tiny_llama):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=intr", "model=local",
+                          f"model.path={tiny_llama}", "method=ngram", "workload=chat", "batch_size=1,2,3,4",
+                          "num_prompts=4", "max_new_tokens=400", "repeats=3"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sweep = tmp_path / "intr"
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(sweep.glob("*/summary.json")):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=120)
+    done = _summaries(sweep)
+    assert len(done) >= 1 and all(s["status"] == "ok" for s in done.values())
+    for name in done:
+        assert pd.read_parquet(sweep / name / "cycles.parquet").shape[0] > 0
+    assert len(done) < 4  # it really was interrupted
+    assert not list(sweep.rglob("*.tmp"))
+    assert pd.read_parquet(sweep / "index.parquet").shape[0] == len(done)
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path, tiny_llama):
+    r = specsweep("-m", f"results_dir={tmp_path}", "sweep_name=par", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                  "model=local", f"model.path={tiny_llama}", "method=ngram,draft_model", "++method.draft_layers=2",
+                  "workload=chat", "batch_size=1,2", "num_prompts=2", "max_new_tokens=6", "repeats=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Joblib" in r.stdout + r.stderr
+    idx = pd.read_parquet(tmp_path / "par" / "index.parquet")
+    assert len(idx) == 4 and set(idx.status) == {"ok"}
+    pids = {s["env"]["pid"] for s in _summaries(tmp_path / "par").values()}
+    assert len(pids) >= 2  # jobs ran in more than one worker process
+
+
+def test_report_command(tmp_path, tiny_llama):
+    assert specsweep(f"results_dir={tmp_path}", "sweep_name=rep", "model=local", f"model.path={tiny_llama}", "method=ngram",
+                     "workload=chat", "batch_size=1", "temperature=0,0.8", "num_prompts=2", "max_new_tokens=6", "repeats=1",
+                     "report=false").returncode == 0
+    r = subprocess.run(["specsweep-report", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "rep" / "report"
+    assert (out / "acceptance_vs_temperature.png").exists() and (out / "summary.md").exists()
+    idx = pd.read_parquet(tmp_path / "rep" / "index.parquet")
+    assert set(idx.lossless) == {"true", "n/a"}  # sampling has no token-for-token check
+    r = subprocess.run(["specsweep-report", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "no sweep results" in r.stderr

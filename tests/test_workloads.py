@@ -1,0 +1,82 @@
+"""Workload loaders and their errors."""
+import json
+
+import pytest
+
+from workloads import WORKLOADS, WorkloadError, WorkloadUnavailable, load_prompts
+
+
+@pytest.mark.parametrize("name", ["code_edit", "code_gen", "chat", "summarization", "rag", "math"])
+def test_builtin_workloads_are_deterministic_and_distinct(name):
+    a = load_prompts(name, 4, seed=3)
+    b = load_prompts(name, 4, seed=3)
+    c = load_prompts(name, 4, seed=4)
+    assert [p.text for p in a] == [p.text for p in b]
+    assert len(a) == 4 and all(p.text.strip() for p in a)
+    assert len({p.text for p in a}) == 4  # real mixed requests, not one prompt copied
+    assert [p.text for p in a] != [p.text for p in c]
+    assert len({p.id for p in a}) == 4
+
+
+def test_code_edit_prompt_holds_stdlib_code_and_instruction():
+    p = load_prompts("code_edit", 1, seed=0)[0]
+    assert "# Original code:\ndef " in p.text and "# Instruction:" in p.text and p.text.endswith("\n")
+
+
+def test_code_gen_reads_humaneval():
+    p = load_prompts("code_gen", 2, seed=0)
+    assert all("def " in x.text and "HumanEval/" in x.id for x in p)
+
+
+def test_translation_uses_catalogs_or_skips_clearly(tmp_path):
+    with pytest.raises(WorkloadUnavailable, match="gettext catalogs"):
+        load_prompts("translation", 2, seed=0, locale_dir=str(tmp_path))
+
+
+def test_unknown_workload_lists_valid_names():
+    with pytest.raises(WorkloadError, match="valid: .*code_edit.*chat"):
+        load_prompts("poetry", 2, seed=0)
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_specbench_shape_and_category_filter(tmp_path):
+    f = _write(tmp_path / "q.jsonl", [json.dumps({"question_id": i, "category": c, "turns": [f"question {i}?"]})
+                                      for i, c in enumerate(["math", "coding", "math", "writing"])])
+    got = load_prompts("jsonl", 2, seed=0, path=str(f), categories=["math"])
+    assert {p.category for p in got} == {"math"} and len(got) == 2
+    assert got[0].text.startswith("Question: question ")
+
+
+def test_jsonl_errors_name_the_problem(tmp_path):
+    with pytest.raises(WorkloadError, match="no such file"):
+        load_prompts("jsonl", 1, seed=0, path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(WorkloadError, match="workload.path=FILE"):
+        load_prompts("jsonl", 1, seed=0, path=None)
+    bad = _write(tmp_path / "bad.jsonl", ['{"question_id": 1, "category": "a", "turns": ["x"]}', '{"question_id": 2,'])
+    with pytest.raises(WorkloadError, match="line 2: not valid JSON"):
+        load_prompts("jsonl", 1, seed=0, path=str(bad))
+    shape = _write(tmp_path / "shape.jsonl", ['{"question_id": 1, "prompt": "x"}'])
+    with pytest.raises(WorkloadError, match='line 1: expected an object with "turns"'):
+        load_prompts("jsonl", 1, seed=0, path=str(shape))
+    ok = _write(tmp_path / "ok.jsonl", ['{"question_id": 1, "category": "a", "turns": ["x"]}'])
+    with pytest.raises(WorkloadError, match=r"unknown \['zz'\]; the file has categories \['a'\]"):
+        load_prompts("jsonl", 1, seed=0, path=str(ok), categories=["zz"])
+    empty = _write(tmp_path / "empty.jsonl", [""])
+    with pytest.raises(WorkloadError, match="holds no questions"):
+        load_prompts("jsonl", 1, seed=0, path=str(empty))
+
+
+def test_num_prompts_must_be_positive():
+    with pytest.raises(WorkloadError, match="num_prompts=0"):
+        load_prompts("chat", 0, seed=0)
+
+
+def test_every_workload_has_a_config(tmp_path):
+    from pathlib import Path
+
+    conf = Path(__file__).resolve().parent.parent / "conf" / "workload"
+    assert {p.stem for p in conf.glob("*.yaml")} == set(WORKLOADS)
