@@ -131,10 +131,20 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     row["peak_rss_mib"] = environment.peak_rss_mib()
     env_end = environment.snapshot()
     row["loadavg_start"], row["loadavg_end"] = env_start["loadavg"], env_end["loadavg"]
+    # The environment on every row, flat for the index; the full snapshot stays in `env`.
+    row.update(time=env_start["time"], cpu=env_start["cpu"], git_commit=env_start["git_commit"],
+               threads=(row.get("engine") or {}).get("threads"), engine_version=_engine_version(row.get("engine")),
+               package_versions=env_start["packages"])
     row["env"] = env_start
     write_json(jdir / "summary.json", row)
     build_index(root)
     return row
+
+
+def _engine_version(engine: dict | None) -> str | None:
+    if not engine:
+        return None
+    return " ".join(f"{k}={engine[k]}" for k in ("engine", "torch", "vllm", "sglang", "llama_cpp") if k in engine) or None
 
 
 def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progress_factory) -> dict:

@@ -112,7 +112,7 @@ def _hf_name_map(args: ModelArgs) -> dict[str, str]:
     return m
 
 
-def load_hf_state(folder: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
+def load_hf_state(folder: Path, args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}; the native engine reads safetensors weights")
@@ -123,10 +123,10 @@ def load_hf_state(folder: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
             name = name.removeprefix("language_model.")
             if name not in names:
                 continue
-            t = t.float()
             if args.arch == "gemma3" and name.endswith("norm.weight"):
-                t = t + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
-            state[names[name]] = t
+                t = t.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
+            # Convert tensor by tensor: an 8B checkpoint never exists in fp32 in memory.
+            state[names[name]] = t.to(dtype)
     return state
 
 
@@ -254,7 +254,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", progress=
         tok_file = folder / "tokenizer.json"
     else:
         args = args_from_hf_config(json.loads((p / "config.json").read_text()))
-        state = load_hf_state(p, args)
+        state = load_hf_state(p, args, dtypes[dtype])
         tok_file = p / "tokenizer.json"
         if not tok_file.exists():
             raise FileNotFoundError(f"{p} has no tokenizer.json; the native engine needs a fast tokenizer file")

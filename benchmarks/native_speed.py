@@ -1,0 +1,152 @@
+"""Native engine speed on this machine: a benchmark, not a test. Paired and interleaved in one run.
+
+  python benchmarks/native_speed.py [--threads 2] [--prompts 4] [--max-new-tokens 64] [--repeats 5]
+
+Measures, with the thread count and load average recorded:
+  1. read bandwidth (sum over a 1 GiB array) and decode ms/step against weight_bytes / bandwidth;
+  2. verify_cost_ratio r(n) = t(forward over n tokens) / t(1 token), n = 1..9, at a ~300-token KV;
+  3. n-gram speedup on code_edit at batch 1, against transformers' prompt_lookup_num_tokens on the
+     same model (same GGUF, fp32) and prompts;
+  4. tracing overhead (per-cycle trace on vs off).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backends.native.drafters import NgramDrafter  # noqa: E402
+from backends.native.engine import generate  # noqa: E402
+from backends.native.loading import load_model  # noqa: E402
+from backends.native.sampling import SamplingParams  # noqa: E402
+from bench.environment import load_average  # noqa: E402
+from workloads import load_prompts  # noqa: E402
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def bandwidth_gbs(reps=7) -> float:
+    a = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        ts.append(time.perf_counter() - t)
+    return a.numel() * 4 / med(ts) / 1e9
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+@torch.inference_mode()
+def forward_times(model, ids, ns, rounds=9):
+    model.setup_cache(1, len(ids) + 16)
+    n0 = len(ids)
+    model(torch.tensor([ids]), torch.arange(n0)[None], logits_for=torch.zeros(1, n0, dtype=torch.bool))
+    times = {n: [] for n in ns}
+    for _ in range(rounds):  # interleaved over n
+        for n in ns:
+            t = time.perf_counter()
+            model(torch.tensor([ids[:n]]), torch.arange(n0, n0 + n)[None])
+            times[n].append(time.perf_counter() - t)
+    return {n: med(v) for n, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--out", default="benchmarks/native_speed.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    res = {"threads": torch.get_num_threads(), "loadavg_start": load_average(), "torch": torch.__version__,
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    model, tok, args, path = load_model("gemma3-270m")
+
+    bw = bandwidth_gbs()
+    wb = weight_bytes(model)
+    prompts = [tok.encode(p.text).ids for p in load_prompts("code_edit", a.prompts, seed=0)]
+    long_ids = prompts[0] * 3
+    ft = forward_times(model, long_ids[:300], list(range(1, 10)))
+    roofline_ms = wb / (bw * 1e9) * 1e3
+    res.update(read_bandwidth_gbs=bw, weight_bytes=wb, roofline_ms=roofline_ms, decode_ms=ft[1] * 1e3,
+               roofline_share=roofline_ms / (ft[1] * 1e3), verify_cost_ratio={n: ft[n] / ft[1] for n in ft})
+    print(f"bandwidth {bw:.1f} GB/s, weights {wb / 1e9:.3f} GB -> roofline {roofline_ms:.1f} ms; decode {ft[1] * 1e3:.1f} ms/step "
+          f"({100 * res['roofline_share']:.0f}% of roofline)", flush=True)
+    print("r(n): " + ", ".join(f"{n}:{v:.2f}" for n, v in res["verify_cost_ratio"].items()), flush=True)
+
+    ref = None
+    if not a.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    sp = SamplingParams()
+    eos = tuple(args.eos_token_ids)
+
+    def ours(drafter, trace=True):
+        toks, wall = 0, 0.0
+        for p in prompts:
+            out, _, w = generate(model, [p], a.max_new_tokens, sp, drafter=drafter, eos_ids=eos, trace=trace)
+            toks += len(out[0].tokens)
+            wall += w
+        return toks / wall
+
+    @torch.inference_mode()
+    def theirs(lookup):
+        toks, wall = 0, 0.0
+        for p in prompts:
+            kw = {"prompt_lookup_num_tokens": a.k} if lookup else {}
+            t = time.perf_counter()
+            g = ref.generate(torch.tensor([p]), max_new_tokens=a.max_new_tokens, do_sample=False, **kw)
+            wall += time.perf_counter() - t
+            toks += g.shape[1] - len(p)
+        return toks / wall
+
+    runs = {"native_baseline": [], "native_ngram": [], "native_ngram_untraced": []}
+    if ref is not None:
+        runs.update(transformers_baseline=[], transformers_prompt_lookup=[])
+    ours(None), ours(NgramDrafter(a.k))  # warm-up
+    for r in range(a.repeats):  # interleaved: every configuration once per round
+        runs["native_baseline"].append(ours(None))
+        runs["native_ngram"].append(ours(NgramDrafter(a.k)))
+        runs["native_ngram_untraced"].append(ours(NgramDrafter(a.k), trace=False))
+        if ref is not None:
+            runs["transformers_baseline"].append(theirs(False))
+            runs["transformers_prompt_lookup"].append(theirs(True))
+        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items()), flush=True)
+    tps = {k: med(v) for k, v in runs.items()}
+    res["tokens_per_s"] = tps
+    res["native_ngram_speedup"] = tps["native_ngram"] / tps["native_baseline"]
+    res["tracing_overhead"] = tps["native_ngram_untraced"] / tps["native_ngram"] - 1
+    if ref is not None:
+        res["transformers_prompt_lookup_speedup"] = tps["transformers_prompt_lookup"] / tps["transformers_baseline"]
+        res["native_ngram_over_transformers_prompt_lookup"] = tps["native_ngram"] / tps["transformers_prompt_lookup"]
+    res["loadavg_end"] = load_average()
+    res["settings"] = vars(a)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "verify_cost_ratio"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
