@@ -172,6 +172,9 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
              "Speedup is throughput with speculation over throughput of the same engine without it, on the same "
              "requests and batch (median over repeats, 95% bootstrap interval). Definitions: DESIGN.md.", "",
              markdown_table(d, SUMMARY_COLUMNS), ""]
+    from .recommend import markdown as rec_markdown, recommend
+
+    lines += [rec_markdown(recommend(df))]
     errs = df[df.status != "ok"]
     if len(errs):
         lines += ["## Jobs that did not complete", ""] + [f"- `{r.job}`: {r.status}: {r.error}" for _, r in errs.iterrows()] + [""]

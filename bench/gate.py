@@ -1,0 +1,206 @@
+"""`specsweep-gate RESULTS_DIR --baseline results/baselines/NAME.json`: compare a sweep with a
+recorded baseline and exit non-zero on a regression (a CI gate, as vLLM's spec-decode checks).
+
+Rules, per job present in both:
+- acceptance metrics (acceptance_rate, mean_acceptance_length, each per-position rate) may not
+  fall by more than a relative tolerance (default 5%; `--tolerance metric=value` per metric).
+  Greedy acceptance is nearly deterministic, so this is tight. A rise beyond it is reported as
+  `improved` (record it with --update) and does not fail.
+- speedup and throughput are noisy: a regression only when even the optimistic end of this run's
+  95% interval is below the recorded value by more than a ratio (`--speedup-tolerance`, default
+  0.15; `--throughput-tolerance`, default 0.5, since absolute throughput follows the machine).
+- lossless must stay `true`; a job with status error fails; a job of the baseline missing from the
+  run fails (unless --allow-missing); a job new in the run is listed.
+Exit status: 0 pass, 1 regression, 2 bad usage or a malformed or mismatched baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from .results import find_sweep_dirs, load_summaries, write_json
+
+FORMAT = "specsweep-gate-baseline"
+VERSION = 1
+ACCEPTANCE_METRICS = ("acceptance_rate", "mean_acceptance_length")
+IDENTITY = ("backend", "model", "method", "workload", "batch_size", "temperature", "top_p", "top_k",
+            "num_speculative_tokens", "max_new_tokens", "num_prompts", "seed")
+RECORDED = ("status", "lossless", "acceptance_rate", "mean_acceptance_length", "per_position_acceptance", "speedup",
+            "speedup_ci_low", "speedup_ci_high", "tokens_per_s", "baseline_tokens_per_s")
+
+
+class GateError(ValueError):
+    """A malformed or mismatched baseline, or bad usage: exit status 2."""
+
+
+def job_key(row) -> str:
+    return (f"{row['backend']}/{row['model']}/{row['method']}/{row['workload']}/b{row['batch_size']}"
+            f"/t{float(row['temperature']):g}/k{row['num_speculative_tokens']}")
+
+
+def _num(v):
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def record(df) -> dict:
+    jobs = {}
+    for _, r in df.iterrows():
+        if r.get("status") != "ok":
+            continue
+        jobs[job_key(r)] = {"identity": {k: _num(r.get(k)) for k in IDENTITY},
+                            "metrics": {k: (list(r[k]) if k == "per_position_acceptance" and isinstance(r.get(k), list) else _num(r.get(k)))
+                                        for k in RECORDED}}
+    return {"format": FORMAT, "version": VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "jobs": jobs}
+
+
+def load_baseline(path: Path) -> dict:
+    if not path.exists():
+        raise GateError(f"baseline {path} does not exist; record one with: specsweep-gate RESULTS_DIR --baseline {path} --update")
+    try:
+        b = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise GateError(f"baseline {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(b, dict) or b.get("format") != FORMAT:
+        raise GateError(f"baseline {path} is not a specsweep gate baseline (expected \"format\": \"{FORMAT}\")")
+    if b.get("version") != VERSION:
+        raise GateError(f"baseline {path} has version {b.get('version')!r}; this specsweep reads version {VERSION}")
+    if not isinstance(b.get("jobs"), dict) or not all(isinstance(j, dict) and "metrics" in j and "identity" in j for j in b["jobs"].values()):
+        raise GateError(f"baseline {path}: \"jobs\" must map job keys to {{\"identity\": ..., \"metrics\": ...}}")
+    return b
+
+
+def _rel(now, base):
+    if now is None or base is None:
+        return None
+    return (now - base) / base if base else (0.0 if now == base else math.inf)
+
+
+def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput_tol: float, allow_missing: bool):
+    """Returns (rows of (job, metric, baseline, now, change, verdict), failed)."""
+    now = {job_key(r): r for _, r in df.iterrows()}
+    rows, failed = [], False
+    common = set(now) & set(baseline["jobs"])
+    if baseline["jobs"] and not common:
+        raise GateError("the run and the baseline have no job in common; baseline jobs: "
+                        + ", ".join(sorted(baseline["jobs"])[:6]) + "; run jobs: " + ", ".join(sorted(now)[:6]))
+    for key in sorted(baseline["jobs"]):
+        base = baseline["jobs"][key]
+        if key not in now:
+            rows.append((key, "job", "recorded", "missing", "", "missing" if allow_missing else "FAIL"))
+            failed |= not allow_missing
+            continue
+        r = now[key]
+        for k in ("max_new_tokens", "num_prompts", "seed", "top_p", "top_k"):
+            if base["identity"].get(k) is not None and _num(r.get(k)) != base["identity"][k]:
+                raise GateError(f"job {key}: the baseline was recorded with {k}={base['identity'][k]}, this run has "
+                                f"{k}={r.get(k)}; rerun with the baseline's settings or record a new baseline (--update)")
+        if r.get("status") != "ok":
+            rows.append((key, "status", "ok", r.get("status"), str(r.get("error"))[:80], "FAIL"))
+            failed = True
+            continue
+        m = base["metrics"]
+        lossless_ok = r.get("lossless") == m.get("lossless") or r.get("lossless") == "true"
+        rows.append((key, "lossless", m.get("lossless"), r.get("lossless"), "", "ok" if lossless_ok else "FAIL"))
+        failed |= not lossless_ok
+        checks = [(k, m.get(k), _num(r.get(k))) for k in ACCEPTANCE_METRICS]
+        for j, (b_j, n_j) in enumerate(zip(m.get("per_position_acceptance") or [], list(r.get("per_position_acceptance") or []))):
+            checks.append((f"per_position_acceptance[{j + 1}]", _num(b_j), _num(n_j)))
+        for name, b_v, n_v in checks:
+            if b_v is None:
+                continue
+            tol = tolerances.get(name.split("[")[0], tolerances.get("acceptance", 0.05))
+            ch = _rel(n_v, b_v)
+            verdict = "FAIL" if ch is None or ch < -tol else ("improved" if ch > tol else "ok")
+            failed |= verdict == "FAIL"
+            rows.append((key, name, b_v, n_v, ch, verdict))
+        # Noise-aware: fail only if this run's optimistic end is clearly below the record.
+        sp_b, sp_n, sp_hi = m.get("speedup"), _num(r.get("speedup")), _num(r.get("speedup_ci_high"))
+        if sp_b is not None and sp_n is not None:
+            hi = sp_hi if sp_hi is not None else sp_n
+            verdict = "FAIL" if hi < sp_b * (1 - speedup_tol) else "ok"
+            failed |= verdict == "FAIL"
+            rows.append((key, "speedup", sp_b, sp_n, _rel(sp_n, sp_b), verdict))
+        tp_b, tp_n = m.get("tokens_per_s"), _num(r.get("tokens_per_s"))
+        if tp_b is not None and tp_n is not None:
+            widen = (sp_hi / sp_n) if sp_hi and sp_n else 1.0
+            verdict = "FAIL" if tp_n * widen < tp_b * (1 - throughput_tol) else "ok"
+            failed |= verdict == "FAIL"
+            rows.append((key, "tokens_per_s", tp_b, tp_n, _rel(tp_n, tp_b), verdict))
+    for key in sorted(set(now) - set(baseline["jobs"])):
+        rows.append((key, "job", "-", now[key].get("status"), "", "new"))
+    return rows, failed
+
+
+def markdown(rows, failed: bool) -> str:
+    def f(v):
+        if isinstance(v, float):
+            return "-" if math.isnan(v) else f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    def ch(v):
+        return f"{100 * v:+.1f}%" if isinstance(v, float) and not math.isinf(v) else f(v) if v != "" else ""
+
+    lines = [f"## specsweep gate: {'FAIL' if failed else 'pass'}", "", "| job | metric | baseline | now | change | verdict |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {k} | {m} | {f(b)} | {f(n)} | {ch(c)} | {v} |" for k, m, b, n, c, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _tolerances(items) -> dict:
+    out = {}
+    for it in items or []:
+        name, _, value = it.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise GateError(f"--tolerance {it!r}: expected METRIC=FRACTION, e.g. acceptance_rate=0.05") from None
+        valid = ("acceptance", *ACCEPTANCE_METRICS, "per_position_acceptance")
+        if name not in valid:
+            raise GateError(f"--tolerance {it!r}: unknown metric {name!r}; valid: {', '.join(valid)}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specsweep-gate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results_dir", help="a sweep folder (results/<sweep_name>)")
+    ap.add_argument("--baseline", required=True, help="baseline JSON (results/baselines/NAME.json)")
+    ap.add_argument("--update", action="store_true", help="record this run as the new baseline and exit")
+    ap.add_argument("--tolerance", action="append", metavar="METRIC=FRACTION",
+                    help="relative tolerance for an acceptance metric (default 0.05 for each)")
+    ap.add_argument("--speedup-tolerance", type=float, default=0.15)
+    ap.add_argument("--throughput-tolerance", type=float, default=0.5)
+    ap.add_argument("--allow-missing", action="store_true", help="a baseline job absent from the run does not fail")
+    ap.add_argument("--summary", help="also write the markdown table here (e.g. $GITHUB_STEP_SUMMARY)")
+    a = ap.parse_args(argv)
+    try:
+        sweeps = find_sweep_dirs(Path(a.results_dir))
+        if len(sweeps) != 1:
+            raise GateError(f"{a.results_dir}: expected one sweep folder with job results, found {len(sweeps)}")
+        df = load_summaries(sweeps[0])
+        path = Path(a.baseline)
+        if a.update:
+            b = record(df)
+            if not b["jobs"]:
+                raise GateError(f"{a.results_dir}: no job with status ok to record")
+            write_json(path, b)
+            print(f"recorded {len(b['jobs'])} jobs as the baseline {path}")
+            return 0
+        rows, failed = compare(df, load_baseline(path), _tolerances(a.tolerance), a.speedup_tolerance,
+                               a.throughput_tolerance, a.allow_missing)
+    except GateError as e:
+        print(f"specsweep-gate: {e}", file=sys.stderr)
+        return 2
+    md = markdown(rows, failed)
+    print(md)
+    if a.summary:
+        with open(a.summary, "a") as f:
+            f.write(md)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
