@@ -62,6 +62,13 @@ class Backend(abc.ABC):
     def generate(self, prompts: list[list[int]], sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         """Run the prompts as one batch (all submitted together)."""
 
+    def draft_predictions(self, sequences: list[list[int]]) -> tuple[list[list[int]], str] | None:
+        """Teacher forcing, for acceptance traces: for each token sequence, the configured drafter's
+        greedy prediction of every token given the true prefix (index t predicts sequences[t];
+        index 0 is unused), and a note on how exact that is for this drafter. None when the engine
+        or method cannot; the trace builder then says the method is unavailable."""
+        return None
+
     def describe(self) -> dict:
         """Versions, device, dtype, threads, drafter description: written with every result."""
         return {}

@@ -11,6 +11,7 @@ from bench.backend import Backend, BatchOutput, RequestOutput, Sampling
 from .drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
 from .engine import generate
 from .loading import load_model
+from .model import linear
 from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip")
@@ -107,6 +108,32 @@ class NativeBackend(Backend):
                                       gen=gen, record_margins=not speculative and sp.greedy, trace=self.cfg.trace)
         reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by) for r in rows]
         return BatchOutput(reqs, wall, cycles if self.cfg.trace else None)
+
+    @torch.inference_mode()
+    def draft_predictions(self, sequences):
+        d = self.drafter
+        if isinstance(d, ModelDrafter):
+            model, layers, note = d.model, None, "exact: the draft keeps its own cache, so it only ever sees the true prefix"
+        elif isinstance(d, LayerSkipDrafter):
+            model, layers = d.model, d.layers
+            note = ("approximate: teacher-forced through the kept layers only; the engine's drafts also see the full "
+                    "model's KV for positions before each cycle")
+        else:
+            return None
+        out = []
+        for seq in sequences:
+            model.setup_cache(1, len(seq) + 1)
+            toks = torch.tensor([seq], device=self.cfg.device)
+            none = torch.zeros_like(toks, dtype=torch.bool)
+            _, hidden = model(toks, torch.arange(len(seq), device=self.cfg.device)[None], layers=layers,
+                              logits_for=none, return_hidden=True)
+            h = model.norm(hidden[0])
+            w = model.output_weight if d.vocab_limit is None else model.output_weight[: d.vocab_limit]
+            pred = [-1]
+            for s in range(0, len(seq) - 1, 64):  # the vocabulary projection in chunks: 262k columns
+                pred += linear(h[s : min(s + 64, len(seq) - 1)], w).argmax(-1).tolist()
+            out.append(pred)
+        return out, note
 
     def describe(self) -> dict:
         d = {"engine": "specsweep-native", "torch": torch.__version__, "dtype": self.cfg.dtype, "device": self.cfg.device,

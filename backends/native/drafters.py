@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 import torch.nn.functional as F
+
+from bench.ngram import ngram_lookup
 
 from .model import Transformer
 from .sampling import SamplingParams, select
@@ -51,18 +52,7 @@ class NgramDrafter:
         pass
 
     def lookup(self, seq: list[int]) -> list[int]:
-        arr = np.asarray(seq, dtype=np.int64)
-        L = len(arr)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = arr[L - n:]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # excludes the suffix itself
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            hits = hits[hits + n < L]  # a continuation must exist
-            if len(hits) < self.min_hits:
-                continue
-            start = int(hits[-1] if self.prefer_recent else hits[0]) + n
-            return arr[start : start + self.k].tolist()
-        return []
+        return ngram_lookup(seq, self.k, self.min_n, self.max_n, self.prefer_recent, self.min_hits)
 
     def propose(self, rows, seqs, sp, gen) -> Proposal:
         toks = [self.lookup(s) for s in seqs]

@@ -1,0 +1,106 @@
+"""Cost models for the oracle simulator: seconds per target forward and per draft.
+
+target forward = c_kv * kv_tokens + c_compute * batched_tokens + c_fixed
+draft (kind "linear")   = c_kv * kv_tokens + c_tokens * input_len + c_fixed   (a neural drafter)
+draft (kind "relative") = fraction * verify_time                               (an n-gram lookup)
+plus a fixed overhead per step, and a switching cost when a combined policy changes drafter.
+
+The published model (`llama3.1-8b-h100`) is SpecDecode-Bench's, fitted on InstructCoder at batch
+1-64 for Llama-3.1-8B-Instruct on one H100 (constants as published; see DESIGN.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class DraftCost:
+    kind: str  # "linear" or "relative"
+    c_kv: float = 0.0
+    c_tokens: float = 0.0
+    c_fixed: float = 0.0
+    fraction: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "relative"):
+            raise ValueError(f"draft cost kind {self.kind!r} is not valid; use linear or relative")
+
+
+@dataclass
+class CostModel:
+    name: str
+    c_kv: float
+    c_compute: float
+    c_fixed: float
+    overhead_per_step: float = 0.0
+    switching_cost: float = 0.0
+    drafters: dict[str, DraftCost] = field(default_factory=dict)
+    default_neural: DraftCost | None = None  # for a method with no entry whose name is not n-gram-like
+    default_ngram: DraftCost | None = None
+    source: str = ""
+    # Optional prefill model (seconds = c_tokens * prompt_tokens + c_fixed). None: a prefill is a
+    # target forward over the prompt, as published.
+    prefill_c_tokens: float | None = None
+    prefill_c_fixed: float | None = None
+
+    def prefill(self, prompt_tokens):
+        if self.prefill_c_tokens is None:
+            return self.c_compute * prompt_tokens + self.c_fixed
+        return self.prefill_c_tokens * prompt_tokens + self.prefill_c_fixed
+
+    def draft(self, method: str) -> DraftCost:
+        if method in self.drafters:
+            return self.drafters[method]
+        fallback = self.default_ngram if "ngram" in method or "lookup" in method else self.default_neural
+        if fallback is None:
+            raise ValueError(f"cost model {self.name!r} has no draft cost for method {method!r}; it has "
+                             f"{', '.join(self.drafters) or 'none'}")
+        return fallback
+
+
+LLAMA31_8B_H100 = CostModel(
+    name="llama3.1-8b-h100",
+    c_kv=3.92645679e-08, c_compute=2.10103129e-05, c_fixed=5.88590713e-03,
+    overhead_per_step=1.20683946e-03, switching_cost=0.0,
+    default_neural=DraftCost("linear", c_kv=2.37768493e-09, c_tokens=8.41429603e-07, c_fixed=2.13526175e-03),
+    default_ngram=DraftCost("relative", fraction=0.005875),
+    source="SpecDecode-Bench (Liu et al., 'Speculative Decoding: Performance or Illusion?', 2025), Llama-3.1-8B / H100",
+)
+
+NAMED = {LLAMA31_8B_H100.name: LLAMA31_8B_H100}
+
+
+def load_cost_model(name_or_file: str) -> CostModel:
+    """A named model or a YAML file:
+
+    name: my-gpu
+    target: {c_kv: ..., c_compute: ..., c_fixed: ...}
+    overhead_per_step: 0.001
+    switching_cost: 0.0005
+    prefill: {c_tokens: ..., c_fixed: ...}   # optional; default: a target forward over the prompt
+    drafters:
+      eagle: {kind: linear, c_kv: ..., c_tokens: ..., c_fixed: ...}
+      ngram: {kind: relative, fraction: 0.006}
+    """
+    if name_or_file in NAMED:
+        return NAMED[name_or_file]
+    p = Path(name_or_file)
+    if not p.is_file():
+        raise ValueError(f"cost model {name_or_file!r} is neither a named model ({', '.join(NAMED)}) nor a YAML file")
+    import yaml
+
+    try:
+        d = yaml.safe_load(p.read_text())
+        t = d["target"]
+        drafters = {k: DraftCost(**v) for k, v in (d.get("drafters") or {}).items()}
+        pre = d.get("prefill") or {}
+        return CostModel(name=d.get("name", p.stem), c_kv=float(t["c_kv"]), c_compute=float(t["c_compute"]),
+                         c_fixed=float(t["c_fixed"]), overhead_per_step=float(d.get("overhead_per_step", 0.0)),
+                         switching_cost=float(d.get("switching_cost", 0.0)), drafters=drafters,
+                         source=d.get("source", str(p)),
+                         prefill_c_tokens=float(pre["c_tokens"]) if "c_tokens" in pre else None,
+                         prefill_c_fixed=float(pre.get("c_fixed", 0.0)) if "c_tokens" in pre else None)
+    except (KeyError, TypeError, yaml.YAMLError) as e:
+        raise ValueError(f"cost model file {p}: {type(e).__name__}: {e}; expected keys target.c_kv, target.c_compute, "
+                         "target.c_fixed and optional overhead_per_step, switching_cost, drafters") from None

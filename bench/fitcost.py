@@ -1,0 +1,126 @@
+"""`specsweep-fit-cost RESULTS_DIR`: fit the oracle's cost model to specsweep's own measured cycles.
+
+From every job's cycles.parquet (a batched cycle counted once):
+- target forward: least squares  t_verify ~ c_kv * kv_tokens + c_compute * batched_tokens + c_fixed,
+  where kv_tokens sums the rows' KV lengths and batched_tokens = rows x (longest draft + 1), the
+  tokens the engine's verify pass really processes;
+- each neural drafter: t_draft ~ c_kv * kv_tokens + c_tokens * (k + 1) + c_fixed (linear);
+- n-gram: t_draft as a fraction of t_verify (median), as the published model has it;
+- overhead per step: the median of t_other.
+The fit's error (relative RMS and R^2) is printed and written beside the coefficients.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from .results import find_sweep_dirs, load_summaries
+
+
+def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
+    frames = []
+    for _, s in load_summaries(sweep_dir).iterrows():
+        f = Path(sweep_dir) / s.job / "cycles.parquet"
+        if s.get("status") != "ok" or not f.exists():
+            continue
+        c = pd.read_parquet(f)
+        if c.empty:
+            continue
+        g = c.groupby(["run", "repeat", "batch", "cycle"]).agg(
+            kv_tokens=("kv_len", "sum"), rows=("batch_rows", "first"), kmax=("drafted", "max"),
+            t_verify=("t_verify", "first"), t_draft=("t_draft", "first"), t_other=("t_other", "first")).reset_index()
+        g["batched_tokens"] = g.rows * (g.kmax + 1)
+        g["method"] = np.where(g.run == "baseline", "autoregressive", s.method)
+        g["job"] = s.job
+        frames.append(g)
+    if not frames:
+        raise ValueError(f"{sweep_dir}: no cycles.parquet in completed jobs")
+    return pd.concat(frames, ignore_index=True)
+
+
+def _lstsq(X: np.ndarray, y: np.ndarray):
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    pred = X @ coef
+    rel_rms = float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
+    r2 = float(1 - np.sum((y - pred) ** 2) / np.sum((y - y.mean()) ** 2)) if len(y) > 1 and y.std() > 0 else float("nan")
+    return coef, rel_rms, r2
+
+
+def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
+    X = np.column_stack([cycles.kv_tokens, cycles.batched_tokens, np.ones(len(cycles))]).astype(float)
+    (c_kv, c_compute, c_fixed), err, r2 = _lstsq(X, cycles.t_verify.to_numpy(float))
+    model = {"name": name, "target": {"c_kv": float(c_kv), "c_compute": float(c_compute), "c_fixed": float(c_fixed)},
+             "overhead_per_step": float(cycles.t_other.median()), "switching_cost": 0.0, "drafters": {},
+             "fit": {"target": {"cycles": len(cycles), "relative_rms_error": err, "r2": r2}}}
+    for m, g in cycles[(cycles.method != "autoregressive") & (cycles.kmax > 0)].groupby("method"):
+        if "ngram" in m:
+            model["drafters"][m] = {"kind": "relative", "fraction": float((g.t_draft / g.t_verify).median())}
+            model["fit"][m] = {"cycles": len(g), "t_draft_median_s": float(g.t_draft.median())}
+            continue
+        Xd = np.column_stack([g.kv_tokens, g.kmax + 1, np.ones(len(g))]).astype(float)
+        (dk, dt, df), derr, dr2 = _lstsq(Xd, g.t_draft.to_numpy(float))
+        model["drafters"][m] = {"kind": "linear", "c_kv": float(dk), "c_tokens": float(dt), "c_fixed": float(df)}
+        model["fit"][m] = {"cycles": len(g), "relative_rms_error": derr, "r2": dr2}
+    model["source"] = "fitted by specsweep-fit-cost on measured cycles"
+    return model
+
+
+def fit_prefill(sweep_dir: Path) -> dict | None:
+    """Prefill seconds ~ c_tokens * prompt_tokens + c_fixed, from the TTFT of batch-1 requests."""
+    xs, ys = [], []
+    for _, s in load_summaries(sweep_dir).iterrows():
+        f = Path(sweep_dir) / s.job / "requests.parquet"
+        if s.get("status") != "ok" or s.get("batch_size") != 1 or not f.exists():
+            continue
+        r = pd.read_parquet(f, columns=["n_prompt", "ttft_s"])
+        xs += r.n_prompt.tolist()
+        ys += r.ttft_s.tolist()
+    if len(set(xs)) < 2:
+        return None
+    (c_tok, c_fix), err, r2 = _lstsq(np.column_stack([xs, np.ones(len(xs))]).astype(float), np.asarray(ys, float))
+    return {"c_tokens": float(c_tok), "c_fixed": float(c_fix), "fit": {"requests": len(xs), "relative_rms_error": err, "r2": r2}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specsweep-fit-cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results_dir", help="a sweep folder whose jobs have cycles.parquet")
+    ap.add_argument("--out", help="cost model YAML (default: <results_dir>/cost_model.yaml)")
+    ap.add_argument("--name", default=None)
+    a = ap.parse_args(argv)
+    sweeps = find_sweep_dirs(Path(a.results_dir))
+    if len(sweeps) != 1:
+        print(f"specsweep-fit-cost: {a.results_dir}: expected one sweep folder with job results, found {len(sweeps)}",
+              file=sys.stderr)
+        return 2
+    try:
+        model = fit(unique_cycles(sweeps[0]), a.name or f"fitted-{sweeps[0].name}")
+        pre = fit_prefill(sweeps[0])
+        if pre is not None:
+            model["fit"]["prefill"] = pre.pop("fit")
+            model["prefill"] = pre
+    except ValueError as e:
+        print(f"specsweep-fit-cost: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else sweeps[0] / "cost_model.yaml"
+    out.write_text(yaml.safe_dump(model, sort_keys=False))
+    t = model["target"]
+    f = model["fit"]["target"]
+    print(f"target forward = {t['c_kv']:.3e} * kv + {t['c_compute']:.3e} * batched + {t['c_fixed']:.3e} s "
+          f"(relative RMS error {100 * f['relative_rms_error']:.1f}%, R^2 {f['r2']:.3f}, {f['cycles']} cycles)")
+    for m, d in model["drafters"].items():
+        print(f"{m}: {d}  fit {model['fit'][m]}")
+    if "prefill" in model:
+        p, pf = model["prefill"], model["fit"]["prefill"]
+        print(f"prefill = {p['c_tokens']:.3e} * prompt_tokens + {p['c_fixed']:.3e} s (relative RMS error "
+              f"{100 * pf['relative_rms_error']:.1f}%, {pf['requests']} batch-1 requests)")
+    print(f"overhead per step {model['overhead_per_step']:.3e} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

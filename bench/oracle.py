@@ -1,0 +1,394 @@
+"""Oracle analysis: replay per-position acceptance traces under a cost model.
+
+A trace gives, for a request and each method m, acc_len_m[i]: how many tokens a cycle starting at
+generated position i would emit under m (accepted + 1). A policy walks each request: at position
+i it proposes `input_len` tokens to verify (drafts + 1), accepts min(acc_len, input_len), and moves
+on. Policies:
+
+- fixed:M:K     method M always drafts K tokens;
+- oracle:M      method M drafts exactly what will be accepted (oracle k);
+- combined:M+N  per position, the best of several methods, each at oracle k;
+- fallback:M+N:K  realizable (no future knowledge): M (e.g. n-gram) at K while its previous cycle
+                  accepted at least one draft token, else N for one cycle.
+
+Timing follows SpecDecode-Bench's methodology (DESIGN.md): prefill counted, per-step overhead,
+target forward = c_kv * kv + c_compute * batched_tokens + c_fixed; a `repeat` batch is one request
+repeated B times; speedup = mean speculative throughput / mean baseline throughput over the
+sampled requests. The trajectory of a request under a deterministic policy does not depend on B,
+so it is computed once and the time of every batch size follows in closed form (numpy).
+
+Accountings for combined policies:
+- optimistic: the published one. Only the cheap drafter (n-gram) is charged, no switching cost.
+- faithful: every drafter whose proposal is needed to choose is charged, plus the model's
+  switching cost whenever the winning method changes.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .costmodel import CostModel, DraftCost
+
+SAMPLE_SEED = 42  # the published methodology samples 300 requests with random.seed(42)
+
+
+class TraceError(ValueError):
+    pass
+
+
+@dataclass
+class Trace:
+    id: str
+    prompt_len: int
+    generated_token_ids: list[int]
+    acc: dict[str, np.ndarray]  # method -> acc_len per generated position
+    # method -> tokens the drafter proposes at each position, where the trace records it
+    # (specsweep's n-gram traces do: no match means no draft). Absent: a full draft every cycle.
+    drafted: dict[str, np.ndarray] | None = None
+
+
+def load_traces(path: str | Path) -> list[Trace]:
+    """Read the interchange format: one JSON object per line with id, prompt_token_ids,
+    generated_token_ids and acc_<method>: {"acc_len": [...]} (published traces load as they are)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"trace file {path!r} does not exist")
+    out = []
+    with p.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
+            acc, drafted = {}, {}
+            for k, v in d.items():
+                if k.startswith("acc_") and isinstance(v, dict) and isinstance(v.get("acc_len"), list):
+                    arr = np.asarray(v["acc_len"], dtype=np.int64)
+                    if len(arr) and arr.min() < 1:
+                        raise TraceError(f"{path}, line {n}: {k}.acc_len has a value below 1 (it counts emitted tokens)")
+                    acc[k[4:]] = arr
+                    if isinstance(v.get("draft_len"), list):
+                        drafted[k[4:]] = np.asarray(v["draft_len"], dtype=np.int64)
+            if not acc or "prompt_token_ids" not in d:
+                raise TraceError(f'{path}, line {n}: expected "prompt_token_ids" and at least one "acc_<method>": '
+                                 '{"acc_len": [...]}')
+            out.append(Trace(str(d.get("id", n)), len(d["prompt_token_ids"]), d.get("generated_token_ids", []), acc,
+                             drafted or None))
+    if not out:
+        raise TraceError(f"{path}: no traces")
+    return out
+
+
+@dataclass(frozen=True)
+class Policy:
+    kind: str  # fixed | oracle | combined | fallback
+    methods: tuple[str, ...]
+    k: int = 0
+
+    @property
+    def name(self) -> str:
+        m = "+".join(self.methods)
+        return {"fixed": f"fixed:{m}:{self.k}", "oracle": f"oracle:{m}", "combined": f"combined:{m}",
+                "fallback": f"fallback:{m}:{self.k}"}[self.kind]
+
+    @staticmethod
+    def parse(spec: str) -> "Policy":
+        parts = spec.split(":")
+        kind = parts[0]
+        try:
+            if kind == "fixed" and len(parts) == 3:
+                return Policy("fixed", (parts[1],), int(parts[2]))
+            if kind == "oracle" and len(parts) == 2:
+                return Policy("oracle", (parts[1],))
+            if kind == "combined" and len(parts) == 2 and "+" in parts[1]:
+                return Policy("combined", tuple(parts[1].split("+")))
+            if kind == "fallback" and len(parts) == 3 and parts[1].count("+") == 1:
+                return Policy("fallback", tuple(parts[1].split("+")), int(parts[2]))
+        except ValueError:
+            pass
+        raise ValueError(f"policy {spec!r} is not valid; use fixed:METHOD:K, oracle:METHOD, combined:M1+M2[+...], "
+                         "or fallback:CHEAP+NEURAL:K")
+
+
+def generated_len(t: Trace, methods) -> int:
+    # With several methods the usable length is the shortest trace (as published).
+    return min(len(t.acc[m]) for m in methods)
+
+
+@dataclass
+class Trajectory:
+    input_len: np.ndarray  # per cycle: tokens verified (drafts + 1)
+    accepted: np.ndarray  # per cycle: tokens emitted
+    ran: np.ndarray  # per cycle x method: did that drafter run (bool)
+    winner: np.ndarray  # per cycle: index of the method whose proposal was used
+
+
+def trajectory(t: Trace, pol: Policy) -> Trajectory:
+    accs = [t.acc[m] for m in pol.methods]
+    drafted = (t.drafted or {}).get(pol.methods[0]) if pol.kind in ("fixed", "fallback") else None
+    G = generated_len(t, pol.methods)
+    cur = 1  # the first token comes from prefill
+    inp, acc, ran, win = [], [], [], []
+    last_cheap_accepted = True
+    n_m = len(accs)
+    while cur < G:
+        pos = cur - 1
+        if pol.kind == "fixed":
+            gt = int(accs[0][pos])
+            il, w, r = pol.k + 1, 0, (True,)
+            if drafted is not None:  # the drafter proposes only what it has (n-gram: nothing without a match)
+                il = min(pol.k, int(drafted[pos])) + 1
+        elif pol.kind == "oracle":
+            gt = int(accs[0][pos])
+            il, w, r = gt, 0, (True,)
+        elif pol.kind == "combined":
+            vals = [int(a[pos]) for a in accs]
+            gt = max(vals)
+            w = vals.index(gt)  # ties go to the first method listed (the cheap one)
+            il, r = gt, (True,) * n_m
+        else:  # fallback: cheap method while it keeps getting drafts accepted, else the neural one
+            w = 0 if last_cheap_accepted else 1
+            gt = int(accs[w][pos])
+            il = pol.k + 1
+            if w == 0 and drafted is not None:
+                il = min(pol.k, int(drafted[pos])) + 1
+            r = (True, w == 1)  # the n-gram lookup runs every cycle; it is how the rule decides
+        a = min(gt, il)
+        if pol.kind == "fallback" and w == 0:
+            last_cheap_accepted = a > 1
+        elif pol.kind == "fallback":
+            last_cheap_accepted = True
+        inp.append(il)
+        acc.append(a)
+        ran.append(r)
+        win.append(w)
+        cur += a
+    return Trajectory(np.asarray(inp, np.int64), np.asarray(acc, np.int64), np.asarray(ran, bool).reshape(-1, n_m),
+                      np.asarray(win, np.int64))
+
+
+def _draft_time(dc: DraftCost, verify, kv_mean, input_len, published_ngram_skip):
+    if dc.kind == "relative":
+        t = dc.fraction * verify
+        # As published, an n-gram cycle that proposes nothing (input 1) costs no drafting.
+        return np.where(published_ngram_skip & (input_len == 1)[:, None], 0.0, t) if published_ngram_skip is not None else t
+    return dc.c_kv * kv_mean + dc.c_tokens * input_len[:, None] + dc.c_fixed
+
+
+def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: np.ndarray, accounting: str):
+    """Baseline and speculative latency of one request, batched as B copies of itself, for every
+    batch size in B at once. Returns (baseline_latency[nB], spec_latency[nB], generated_len)."""
+    P = t.prompt_len
+    G = generated_len(t, pol.methods)
+    Bf = B.astype(np.float64)
+    prefill = cost.prefill(Bf * P)
+    # Baseline: G-1 decode steps, the KV grows by B each step.
+    n = G - 1
+    kv_sum = Bf * (n * (P + 1) + n * (n - 1) / 2)
+    base = prefill + cost.overhead_per_step + n * (cost.c_compute * Bf + cost.c_fixed + cost.overhead_per_step) + cost.c_kv * kv_sum
+    # Speculative: per cycle, verify over B * input_len tokens at the KV before the cycle.
+    acc, il = traj.accepted.astype(np.float64), traj.input_len.astype(np.float64)
+    cum_before = np.concatenate(([0.0], np.cumsum(acc)[:-1]))
+    kv_before = Bf[None, :] * (P + 1 + cum_before[:, None])  # [cycles, nB]
+    verify = cost.c_kv * kv_before + cost.c_compute * Bf[None, :] * il[:, None] + cost.c_fixed
+    # The published simulator updates the KV count request by request inside a cycle, so copy i of
+    # the batch drafts at kv_before + i * delta; the mean over copies is (B - 1) / 2 * delta.
+    delta = acc.copy()
+    if len(delta):
+        delta[-1] -= (1 + acc.sum()) + P  # the last cycle also frees the request's KV
+    kv_mean = kv_before + (Bf[None, :] - 1) / 2 * delta[:, None]
+    single_ngram = pol.kind in ("fixed", "oracle") and cost.draft(pol.methods[0]).kind == "relative"
+    # (as published: a relative-cost drafter that proposed nothing costs nothing)
+    skip = np.ones((len(il), 1), bool) if single_ngram else None
+    draft = np.zeros_like(verify)
+    if pol.kind == "combined" and accounting == "optimistic":
+        cheap = cost.draft(pol.methods[0])
+        draft += _draft_time(cheap, verify, kv_mean, traj.input_len, None)
+    else:
+        for j, m in enumerate(pol.methods):
+            dt = _draft_time(cost.draft(m), verify, kv_mean, traj.input_len, skip)
+            draft += np.where(traj.ran[:, j][:, None], dt, 0.0)
+    step = verify + draft + cost.overhead_per_step
+    if pol.kind in ("combined", "fallback") and accounting == "faithful" and len(traj.winner) > 1:
+        switches = float((traj.winner[1:] != traj.winner[:-1]).sum())
+        step_total = step.sum(axis=0) + switches * cost.switching_cost
+    else:
+        step_total = step.sum(axis=0)
+    spec = prefill + cost.overhead_per_step + step_total
+    return base, spec, G
+
+
+def sample_requests(traces: list[Trace], methods, n: int = 300, seed: int = SAMPLE_SEED) -> list[Trace]:
+    """The published sampling: random.seed(42); random.sample(requests with output, k=300)."""
+    usable = [t for t in traces if all(m in t.acc for m in methods) and generated_len(t, methods) > 0]
+    rng = random.Random(seed)
+    return rng.sample(usable, k=min(n, len(usable)))
+
+
+def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, accounting: str = "optimistic",
+             n_requests: int = 300) -> dict:
+    """Speedup per batch size, `repeat` batches (one request repeated B times, as published)."""
+    missing = [m for m in pol.methods if not any(m in t.acc for t in traces)]
+    if missing:
+        have = sorted({m for t in traces for m in t.acc})
+        raise ValueError(f"policy {pol.name}: the traces have no method {missing}; they have {have}")
+    B = np.asarray(batch_sizes, dtype=np.int64)
+    reqs = sample_requests(traces, pol.methods, n_requests)
+    base_tpt = np.zeros(len(B))
+    spec_tpt = np.zeros(len(B))
+    emitted = cycles = 0
+    for t in reqs:
+        traj = trajectory(t, pol)
+        base, spec, G = request_times(t, pol, traj, cost, B, accounting)
+        base_tpt += B * G / base
+        spec_tpt += B * G / spec
+        emitted += traj.accepted.sum()
+        cycles += len(traj.accepted)
+    speedup = spec_tpt / base_tpt  # ratio of mean throughputs (the means' 1/n cancels)
+    return {"batch_sizes": B.tolist(), "speedup": speedup.tolist(),
+            "mean_acceptance_length": float(emitted / cycles) if cycles else float("nan"), "requests": len(reqs)}
+
+
+def default_policies(methods: list[str], ks=(1, 3, 5)) -> list[Policy]:
+    pols = []
+    for m in methods:
+        pols += [Policy("fixed", (m,), k) for k in ks] + [Policy("oracle", (m,))]
+    cheap = [m for m in methods if "ngram" in m]
+    neural = [m for m in methods if "ngram" not in m]
+    if len(methods) > 1:
+        ordered = tuple(cheap + neural)  # ties go to the cheap drafter
+        pols.append(Policy("combined", ordered))
+    if cheap and neural:
+        pols.append(Policy("fallback", (cheap[0], neural[0]), 3))
+    return pols
+
+
+def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=None, n_requests: int = 300):
+    """Every policy x accounting x batch size for every trace file; returns a DataFrame."""
+    import pandas as pd
+
+    rows = []
+    for f in trace_files:
+        traces = load_traces(f)
+        methods = sorted({m for t in traces for m in t.acc}, key=lambda m: ("ngram" not in m, m))
+        pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
+        for pol in pols:
+            accs = accountings if pol.kind in ("combined", "fallback") else accountings[:1]
+            for acc in accs:
+                r = simulate(traces, pol, cost, batch_sizes, acc, n_requests)
+                for b, s in zip(r["batch_sizes"], r["speedup"]):
+                    for a in (accountings if len(accs) == 1 else [acc]):  # single-method policies: the same in both
+                        rows.append({"dataset": Path(f).stem.removeprefix("combined_"), "policy": pol.name, "kind": pol.kind,
+                                     "methods": "+".join(pol.methods), "k": pol.k or None, "batch_size": b, "accounting": a,
+                                     "speedup": s, "mean_acceptance_length": r["mean_acceptance_length"],
+                                     "requests": r["requests"], "cost_model": cost.name, "batch_mode": "repeat"})
+    return pd.DataFrame(rows)
+
+
+def summary_markdown(df, cost: CostModel) -> str:
+    lines = [f"# Oracle analysis ({cost.name})", "", f"Cost model: {cost.source or cost.name}.", "",
+             "Batches are one request repeated B times (the published methodology); speedup = mean speculative "
+             "throughput / mean baseline throughput over the sampled requests.", ""]
+    for ds, g in df.groupby("dataset"):
+        piv = g.pivot_table(index=["policy", "accounting"], columns="batch_size", values="speedup")
+        lines += [f"## {ds}", "", "| policy | accounting | " + " | ".join(f"B={b}" for b in piv.columns) + " |",
+                  "|---|---|" + "---|" * len(piv.columns)]
+        for (pol, acc), r in piv.iterrows():
+            lines.append(f"| {pol} | {acc} | " + " | ".join(f"{v:.2f}" for v in r.values) + " |")
+        b1 = g[g.batch_size == g.batch_size.min()]
+        comb = b1[b1.kind == "combined"]
+        single = b1[b1.kind == "oracle"]
+        real = b1[b1.kind == "fallback"]
+        if len(comb) and len(single):
+            best_single = single.speedup.max()
+            opt = comb[comb.accounting == "optimistic"].speedup.max()
+            lines.append("")
+            lines.append(f"At B={int(g.batch_size.min())}: best single-method oracle {best_single:.2f}x; combined oracle "
+                         f"{opt:.2f}x optimistic" + (f", {comb[comb.accounting == 'faithful'].speedup.max():.2f}x faithful"
+                                                    if (comb.accounting == "faithful").any() else "") + ".")
+            if len(real):
+                r = real.speedup.max()
+                closed = (r - best_single) / (opt - best_single) if opt > best_single else float("nan")
+                lines.append(f"The realizable fallback rule reaches {r:.2f}x: {100 * closed:.0f}% of the gap between the best "
+                             "single method and the optimistic combined bound.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(df, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dss = sorted(df.dataset.unique())
+    fig, axes = plt.subplots(1, len(dss), figsize=(4.6 * len(dss), 3.8), squeeze=False, sharey=True)
+    for ax, ds in zip(axes[0], dss):
+        g = df[(df.dataset == ds) & df.kind.isin(["oracle", "combined", "fallback"])]
+        for (pol, acc), h in g.groupby(["policy", "accounting"]):
+            if h.kind.iloc[0] == "oracle" and acc != g.accounting.iloc[0]:
+                continue
+            h = h.sort_values("batch_size")
+            ax.plot(h.batch_size, h.speedup, marker="o", ls="--" if acc == "faithful" else "-",
+                    label=f"{pol}" + (f" ({acc})" if h.kind.iloc[0] != "oracle" else ""))
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set(title=ds, xscale="log", xlabel="batch size")
+    axes[0][0].set_ylabel("simulated speedup")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    p = out / "oracle_speedup.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    import time
+
+    from .costmodel import load_cost_model
+
+    ap = argparse.ArgumentParser(prog="specsweep-oracle", description="Replay acceptance traces under a cost model: "
+                                 "fixed-k, oracle-k, combined and realizable policies, optimistic and faithful accounting.")
+    ap.add_argument("traces", nargs="+", help="trace files (JSONL, interchange format; published traces load as they are)")
+    ap.add_argument("--cost-model", default="llama3.1-8b-h100", help="a named model (llama3.1-8b-h100) or a YAML file")
+    ap.add_argument("--accounting", choices=["optimistic", "faithful", "both"], default="both")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
+    ap.add_argument("--policies", nargs="+", help="e.g. fixed:eagle:3 oracle:ngram combined:ngram+eagle "
+                    "fallback:ngram+eagle:3 (default: fixed k=1,3,5 and oracle per method, combined, fallback)")
+    ap.add_argument("--requests", type=int, default=300, help="requests sampled per dataset (seed 42; published: 300)")
+    ap.add_argument("--out", default="oracle_results", help="output folder")
+    a = ap.parse_args(argv)
+    if any(b < 1 for b in a.batch_sizes):
+        print(f"specsweep-oracle: --batch-sizes must be positive, got {a.batch_sizes}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        cost = load_cost_model(a.cost_model)
+        accountings = ["optimistic", "faithful"] if a.accounting == "both" else [a.accounting]
+        df = run(a.traces, cost, a.batch_sizes, accountings, a.policies, a.requests)
+    except (TraceError, ValueError) as e:
+        print(f"specsweep-oracle: {e}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - t0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_parquet(out / "oracle.parquet", index=False)
+    df.to_csv(out / "oracle.csv", index=False)
+    md = summary_markdown(df, cost)
+    (out / "summary.md").write_text(md)
+    plot(df, out)
+    print(md)
+    print(f"{len(df)} rows in {elapsed:.2f} s -> {out}/oracle.parquet, oracle.csv, summary.md, oracle_speedup.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

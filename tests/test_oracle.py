@@ -1,0 +1,180 @@
+"""The oracle simulator on hand-made traces with answers computed by hand, and its closed-form
+batch timing against a step-by-step loop."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from bench.costmodel import CostModel, DraftCost, load_cost_model
+from bench.oracle import Policy, Trace, TraceError, load_traces, request_times, simulate, trajectory
+
+# Unit costs: every forward 1 s, an EAGLE draft 0.5 s, an n-gram draft 10% of the verify.
+UNIT = CostModel("unit", c_kv=0.0, c_compute=0.0, c_fixed=1.0, overhead_per_step=0.0, switching_cost=0.25,
+                 drafters={"eagle": DraftCost("linear", c_fixed=0.5), "ngram": DraftCost("relative", fraction=0.1)})
+TRACE = Trace("r", prompt_len=2, generated_token_ids=[], acc={"ngram": np.array([1, 4, 1, 1, 1]),
+                                                               "eagle": np.array([3, 1, 2, 1, 1])})
+BASE = 5.0  # prefill 1 + four decode steps of 1 s (the first token comes from prefill)
+
+
+def speedup(pol, accounting="optimistic"):
+    p = Policy.parse(pol)
+    base, spec, g = request_times(TRACE, p, trajectory(TRACE, p), UNIT, np.array([1]), accounting)
+    assert base[0] == pytest.approx(BASE)
+    return base[0] / spec[0]
+
+
+def test_oracle_k_verifies_exactly_what_is_accepted():
+    t = trajectory(TRACE, Policy.parse("oracle:eagle"))
+    assert t.accepted.tolist() == [3, 1] and t.input_len.tolist() == [3, 1]
+    assert speedup("oracle:eagle") == pytest.approx(5 / 4)  # 1 + 2 x (1 + 0.5)
+    # n-gram: the first cycle proposes nothing (acc_len 1), so it costs no drafting, as published
+    assert speedup("oracle:ngram") == pytest.approx(5 / (1 + 1 + 1.1))
+
+
+def test_fixed_k():
+    t = trajectory(TRACE, Policy.parse("fixed:eagle:1"))
+    assert t.accepted.tolist() == [2, 2] and t.input_len.tolist() == [2, 2]
+    assert speedup("fixed:eagle:1") == pytest.approx(5 / 4)
+
+
+def test_combined_optimistic_vs_faithful():
+    t = trajectory(TRACE, Policy.parse("combined:ngram+eagle"))
+    assert t.accepted.tolist() == [3, 1] and t.winner.tolist() == [1, 0]  # a tie goes to the cheap drafter
+    assert speedup("combined:ngram+eagle", "optimistic") == pytest.approx(5 / (1 + 2 * 1.1))  # only n-gram charged
+    # faithful: both drafters every cycle, plus one switch (eagle -> ngram)
+    assert speedup("combined:ngram+eagle", "faithful") == pytest.approx(5 / (1 + 2 * 1.6 + 0.25))
+
+
+def test_realizable_fallback_uses_no_future_knowledge():
+    t = trajectory(TRACE, Policy.parse("fallback:ngram+eagle:2"))
+    assert t.winner.tolist() == [0, 1, 0, 1] and t.accepted.tolist() == [1, 1, 1, 1]
+    assert speedup("fallback:ngram+eagle:2", "optimistic") == pytest.approx(5 / (1 + 4 + 2 * 0.1 + 2 * 0.6))
+    assert speedup("fallback:ngram+eagle:2", "faithful") == pytest.approx(5 / (1 + 4 + 1.4 + 3 * 0.25))
+
+
+def _loop_reference(t: Trace, pol: Policy, cost: CostModel, B: int):
+    """The published methodology step by step, B copies of one request (written for this test)."""
+    def fwd(kv, n):
+        return cost.c_kv * kv + cost.c_compute * n + cost.c_fixed
+    P, G = t.prompt_len, min(len(t.acc[m]) for m in pol.methods)
+    pre = fwd(0, B * P)
+    kv = B * P + B
+    base = pre + cost.overhead_per_step
+    for _ in range(G - 1):
+        base += fwd(kv, B) + cost.overhead_per_step
+        kv += B
+    traj = trajectory(t, pol)
+    kv = B * P + B
+    lat = np.full(B, pre + cost.overhead_per_step)
+    cur = 1
+    for il, a in zip(traj.input_len, traj.accepted):
+        v = fwd(kv, B * il)
+        cur += a
+        for i in range(B):
+            dc = cost.draft(pol.methods[0])
+            d = dc.fraction * v if dc.kind == "relative" else dc.c_kv * kv + dc.c_tokens * il + dc.c_fixed
+            if dc.kind == "relative" and il == 1:
+                d = 0.0
+            lat[i] += v + d + cost.overhead_per_step
+            kv += a
+            if cur >= G:
+                kv -= cur + P
+    return base, lat.mean()
+
+
+@pytest.mark.parametrize("pol", ["oracle:eagle", "fixed:eagle:3", "oracle:ngram", "fixed:ngram:2"])
+def test_closed_form_batch_timing_equals_the_step_by_step_loop(pol):
+    cost = load_cost_model("llama3.1-8b-h100")
+    rng = np.random.default_rng(0)
+    t = Trace("x", 57, [], {"eagle": rng.integers(1, 6, 80), "ngram": rng.integers(1, 4, 80)})
+    p = Policy.parse(pol)
+    Bs = np.array([1, 3, 8, 64])
+    base, spec, _ = request_times(t, p, trajectory(t, p), cost, Bs, "optimistic")
+    for j, B in enumerate(Bs):
+        rb, rs = _loop_reference(t, p, cost, int(B))
+        assert base[j] == pytest.approx(rb, rel=1e-12) and spec[j] == pytest.approx(rs, rel=1e-12)
+
+
+def _write(tmp_path, rows, name="combined_toy.jsonl"):
+    f = tmp_path / name
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return f
+
+
+def _rows(n=20):
+    rng = np.random.default_rng(1)
+    return [{"id": str(i), "prompt_token_ids": list(range(30)), "generated_token_ids": list(range(40)),
+             "acc_ngram": {"acc_len": rng.integers(1, 5, 40).tolist()},
+             "acc_eagle": {"acc_len": rng.integers(1, 4, 40).tolist()}} for i in range(n)]
+
+
+def test_combined_bound_dominates_single_methods_and_falls_with_batch(tmp_path):
+    traces = load_traces(_write(tmp_path, _rows()))
+    cost = load_cost_model("llama3.1-8b-h100")
+    comb = simulate(traces, Policy.parse("combined:ngram+eagle"), cost, [1, 8, 64])
+    for m in ("ngram", "eagle"):
+        single = simulate(traces, Policy.parse(f"oracle:{m}"), cost, [1, 8, 64])
+        assert comb["speedup"][0] >= single["speedup"][0]
+    assert comb["speedup"][0] > comb["speedup"][1] > comb["speedup"][2]
+    faithful = simulate(traces, Policy.parse("combined:ngram+eagle"), cost, [1], "faithful")
+    assert faithful["speedup"][0] < comb["speedup"][0]
+
+
+def test_trace_errors(tmp_path):
+    with pytest.raises(TraceError, match="does not exist"):
+        load_traces(tmp_path / "none.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt_token_ids": [1], "acc_ngram": {"acc_len": [1, 0]}}\n')
+    with pytest.raises(TraceError, match="line 1: acc_ngram.acc_len has a value below 1"):
+        load_traces(bad)
+    bad.write_text('{"id": 1, "prompt_token_ids": [1]}\n')
+    with pytest.raises(TraceError, match='line 1: expected "prompt_token_ids" and at least one "acc_<method>"'):
+        load_traces(bad)
+    with pytest.raises(ValueError, match="policy 'best:ngram' is not valid"):
+        Policy.parse("best:ngram")
+    with pytest.raises(ValueError, match="neither a named model"):
+        load_cost_model("h100-llama")
+
+
+def test_cli_writes_table_plot_and_summary(tmp_path):
+    f = _write(tmp_path, _rows())
+    cost = tmp_path / "cost.yaml"
+    cost.write_text("name: toy\ntarget: {c_kv: 1.0e-8, c_compute: 2.0e-5, c_fixed: 0.005}\noverhead_per_step: 0.001\n"
+                    "switching_cost: 0.001\ndrafters:\n  eagle: {kind: linear, c_fixed: 0.002}\n"
+                    "  ngram: {kind: relative, fraction: 0.01}\n")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "bench.oracle", str(f), "--cost-model", str(cost), "--batch-sizes", "1", "8",
+                        "32", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(out / "oracle.parquet")
+    assert {"dataset", "policy", "methods", "batch_size", "accounting", "speedup"} <= set(df.columns)
+    assert set(df.dataset) == {"toy"} and set(df.batch_size) == {1, 8, 32} and set(df.accounting) == {"optimistic", "faithful"}
+    assert (out / "oracle_speedup.png").stat().st_size > 1000 and "combined:ngram+eagle" in (out / "summary.md").read_text()
+    r = subprocess.run([sys.executable, "-m", "bench.oracle", str(f), "--policies", "oracle:medusa", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no method ['medusa']" in r.stderr
+
+
+PUBLISHED = {  # SpecDecode-Bench, Llama-3.1-8B / H100, as published (speedup at batch 1)
+    ("instructcoder", "combined:ngram+eagle"): 4.89,
+    ("instructcoder", "oracle:eagle"): 2.73,
+}
+
+
+def test_published_traces_reproduce_published_numbers():
+    """Runs where SPECSWEEP_PUBLISHED_TRACES names a local folder holding the published
+    combined_<dataset>.jsonl files (they carry no license, so they are not in this repository)."""
+    import os
+    from pathlib import Path
+
+    folder = os.environ.get("SPECSWEEP_PUBLISHED_TRACES")
+    if not folder:
+        pytest.skip("set SPECSWEEP_PUBLISHED_TRACES to a folder with the published combined_*.jsonl traces")
+    cost = load_cost_model("llama3.1-8b-h100")
+    for (ds, pol), want in PUBLISHED.items():
+        traces = load_traces(Path(folder) / f"combined_{ds}.jsonl")
+        got = simulate(traces, Policy.parse(pol), cost, [1])["speedup"][0]
+        assert round(got, 2) == want, (ds, pol, got)
