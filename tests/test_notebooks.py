@@ -28,3 +28,25 @@ def test_analysis_notebook_executes(tmp_path, tiny_llama):
                      if c.cell_type == "code" for o in c.outputs)
     assert "4 jobs" in text and "ngram" in text
     assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def test_oracle_notebook_executes(tmp_path):
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    f = tmp_path / "combined_toy.jsonl"
+    f.write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": list(range(20)), "generated_token_ids": list(range(30)),
+                                     "acc_ngram": {"acc_len": rng.integers(1, 5, 30).tolist()},
+                                     "acc_eagle": {"acc_len": rng.integers(1, 4, 30).tolist()}}) + "\n" for i in range(12)))
+    nb = nbformat.read(ROOT / "notebooks" / "oracle.ipynb", as_version=4)
+    assert all(c.get("outputs", []) == [] for c in nb.cells if c.cell_type == "code")
+    os.environ["SPECSWEEP_TRACES"] = str(tmp_path)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    finally:
+        del os.environ["SPECSWEEP_TRACES"]
+    text = "\n".join(str(o.get("data", {}).get("text/plain", "")) + o.get("text", "") for c in nb.cells
+                     if c.cell_type == "code" for o in c.outputs)
+    assert "combined:ngram+eagle" in text and "share_of_tokens" in text
