@@ -9,7 +9,9 @@ on. Policies:
 - oracle:M      method M drafts exactly what will be accepted (oracle k);
 - combined:M+N  per position, the best of several methods, each at oracle k;
 - fallback:M+N:K  realizable (no future knowledge): M (e.g. n-gram) at K while its previous cycle
-                  accepted at least one draft token, else N for one cycle.
+                  accepted at least one draft token, else N for one cycle;
+- randmatch:M:K[:P]  the published fixed-k n-gram model: where acc_len is 1 a copy of the request
+                  has a match with probability P (published per dataset), else proposes nothing.
 
 Timing follows SpecDecode-Bench's methodology (DESIGN.md): prefill counted, per-step overhead,
 target forward = c_kv * kv + c_compute * batched_tokens + c_fixed; a `repeat` batch is one request
@@ -87,15 +89,17 @@ def load_traces(path: str | Path) -> list[Trace]:
 
 @dataclass(frozen=True)
 class Policy:
-    kind: str  # fixed | oracle | combined | fallback
+    kind: str  # fixed | oracle | combined | fallback | randmatch
     methods: tuple[str, ...]
     k: int = 0
+    match_prob: float | None = None  # randmatch: None = the published per-dataset value
 
     @property
     def name(self) -> str:
         m = "+".join(self.methods)
         return {"fixed": f"fixed:{m}:{self.k}", "oracle": f"oracle:{m}", "combined": f"combined:{m}",
-                "fallback": f"fallback:{m}:{self.k}"}[self.kind]
+                "fallback": f"fallback:{m}:{self.k}",
+                "randmatch": f"randmatch:{m}:{self.k}" + (f":{self.match_prob:g}" if self.match_prob is not None else "")}[self.kind]
 
     @staticmethod
     def parse(spec: str) -> "Policy":
@@ -110,10 +114,12 @@ class Policy:
                 return Policy("combined", tuple(parts[1].split("+")))
             if kind == "fallback" and len(parts) == 3 and parts[1].count("+") == 1:
                 return Policy("fallback", tuple(parts[1].split("+")), int(parts[2]))
+            if kind == "randmatch" and len(parts) in (3, 4):
+                return Policy("randmatch", (parts[1],), int(parts[2]), float(parts[3]) if len(parts) == 4 else None)
         except ValueError:
             pass
         raise ValueError(f"policy {spec!r} is not valid; use fixed:METHOD:K, oracle:METHOD, combined:M1+M2[+...], "
-                         "or fallback:CHEAP+NEURAL:K")
+                         "fallback:CHEAP+NEURAL:K, or randmatch:NGRAM:K[:P]")
 
 
 def generated_len(t: Trace, methods) -> int:
@@ -139,7 +145,7 @@ def trajectory(t: Trace, pol: Policy) -> Trajectory:
     n_m = len(accs)
     while cur < G:
         pos = cur - 1
-        if pol.kind == "fixed":
+        if pol.kind in ("fixed", "randmatch"):
             gt = int(accs[0][pos])
             il, w, r = pol.k + 1, 0, (True,)
             if drafted is not None:  # the drafter proposes only what it has (n-gram: nothing without a match)
@@ -239,9 +245,11 @@ def sample_requests(traces: list[Trace], methods, n: int = 300, seed: int = SAMP
 
 
 def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, accounting: str = "optimistic",
-             n_requests: int = 300) -> dict:
+             n_requests: int = 300, dataset: str | None = None) -> dict:
     """Speedup per batch size, `repeat` batches (one request repeated B times, as published)."""
     _check_methods(traces, pol)
+    if pol.kind == "randmatch":
+        return simulate_randmatch(traces, pol, cost, batch_sizes, n_requests, dataset)
     B = np.asarray(batch_sizes, dtype=np.int64)
     reqs = sample_requests(traces, pol.methods, n_requests)
     base_tpt = np.zeros(len(B))
@@ -256,6 +264,62 @@ def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, acc
         cycles += len(traj.accepted)
     speedup = spec_tpt / base_tpt  # ratio of mean throughputs (the means' 1/n cancels)
     return {"batch_sizes": B.tolist(), "speedup": speedup.tolist(),
+            "mean_acceptance_length": float(emitted / cycles) if cycles else float("nan"), "requests": len(reqs)}
+
+
+# The published simulator's n-gram match model for fixed k: where acc_len is 1, each copy of the
+# request finds a match with this probability (else it proposes nothing), by dataset.
+PUBLISHED_MATCH_PROB = {"sharegpt": 0.2, "cnn": 0.4, "gsm8k": 0.2, "instructcoder": 0.8}
+
+
+def simulate_randmatch(traces, pol: Policy, cost: CostModel, batch_sizes, n_requests: int = 300,
+                       dataset: str | None = None) -> dict:
+    """The published fixed-k n-gram model, reproduced number for number (repeat batches only).
+
+    Where acc_len is 1 a copy drafts k tokens with probability p, else nothing; either way it
+    emits one token, so the copies of a request stay in step and only the verified token count and
+    the drafting charge vary. The draws are Python's random() stream after random.seed(42) and the
+    300-request sample, consumed copy by copy as the published simulator does; numpy's MT19937
+    replays that stream (same generator state, same 53-bit doubles), vectorized."""
+    p = pol.match_prob if pol.match_prob is not None else PUBLISHED_MATCH_PROB.get(dataset or "")
+    if p is None:
+        raise ValueError(f"policy {pol.name}: no published match probability for dataset {dataset!r} "
+                         f"({', '.join(PUBLISHED_MATCH_PROB)}); give one: randmatch:{pol.methods[0]}:{pol.k}:P")
+    dc = cost.draft(pol.methods[0])
+    usable = [t for t in traces if pol.methods[0] in t.acc and generated_len(t, pol.methods) > 0]
+    rng = random.Random(SAMPLE_SEED)
+    reqs = rng.sample(usable, k=min(n_requests, len(usable)))
+    version, state, _ = rng.getstate()
+    mt = np.random.RandomState()
+    mt.set_state(("MT19937", np.asarray(state[:-1], dtype=np.uint32), state[-1]))
+    mt_state = mt.get_state()
+    if dc.kind != "relative":
+        raise ValueError(f"policy {pol.name}: the random match model is for n-gram (relative-cost) drafters")
+    trajs = [trajectory(t, pol) for t in reqs]
+    # Every cycle of every request, concatenated in the order the published simulator visits them.
+    befores = [np.cumsum(tr.accepted) - tr.accepted for tr in trajs]  # tokens before each cycle = its position
+    acc = np.concatenate([tr.accepted for tr in trajs] + [np.zeros(0)]).astype(float)
+    req = np.concatenate([np.full(len(tr.accepted), i) for i, tr in enumerate(trajs)] + [np.zeros(0, int)])
+    cum_before = np.concatenate(befores + [np.zeros(0)]).astype(float)
+    one = np.concatenate([np.asarray(t.acc[pol.methods[0]])[b] == 1 for t, b in zip(reqs, befores)] + [np.zeros(0, bool)])
+    P = np.array([t.prompt_len for t in reqs], float)
+    G = np.array([generated_len(t, pol.methods) for t in reqs], float)
+    n = G - 1
+    n_one = int(one.sum())
+    speedups = []
+    for B in batch_sizes:
+        mt.set_state(mt_state)  # the published simulator reseeds before every batch size
+        m = np.full(len(acc), float(B))
+        m[one] = (mt.random_sample(B * n_one) < p).reshape(-1, B).sum(1)  # copies with a match, per such cycle
+        pre = cost.prefill(B * P) + cost.overhead_per_step
+        base = pre + n * (cost.c_compute * B + cost.c_fixed + cost.overhead_per_step) + cost.c_kv * B * (n * (P + 1) + n * (n - 1) / 2)
+        verify = cost.c_kv * B * (P[req] + 1 + cum_before) + cost.c_compute * (m * (pol.k + 1) + (B - m)) + cost.c_fixed
+        step = verify + dc.fraction * verify * m / B + cost.overhead_per_step  # a copy without a match drafts nothing
+        spec = pre + np.bincount(req, weights=step, minlength=len(reqs))
+        speedups.append(float((B * G / spec).sum() / (B * G / base).sum()))
+    emitted = sum(t.accepted.sum() for t in trajs)
+    cycles = sum(len(t.accepted) for t in trajs)
+    return {"batch_sizes": list(batch_sizes), "speedup": speedups,
             "mean_acceptance_length": float(emitted / cycles) if cycles else float("nan"), "requests": len(reqs)}
 
 
@@ -352,15 +416,22 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     for f in trace_files:
         traces = load_traces(f)
         methods = sorted({m for t in traces for m in t.acc}, key=lambda m: ("ngram" not in m, m))
+        dataset = Path(f).stem.removeprefix("combined_")
         pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
+        if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
+            pols += [Policy("randmatch", (m,), k) for m in methods if "ngram" in m for k in (1, 3, 5)]
         for pol in pols:
             accs = accountings if pol.kind in ("combined", "fallback") else accountings[:1]
             for acc in accs:
-                sim = simulate if batch_mode == "repeat" else simulate_set
-                r = sim(traces, pol, cost, batch_sizes, acc, n_requests)
+                if batch_mode == "repeat":
+                    r = simulate(traces, pol, cost, batch_sizes, acc, n_requests, dataset)
+                elif pol.kind == "randmatch":
+                    raise ValueError(f"policy {pol.name} models the published repeat batches; use --batch-mode repeat")
+                else:
+                    r = simulate_set(traces, pol, cost, batch_sizes, acc, n_requests)
                 for b, s in zip(r["batch_sizes"], r["speedup"]):
                     for a in (accountings if len(accs) == 1 else [acc]):  # single-method policies: the same in both
-                        rows.append({"dataset": Path(f).stem.removeprefix("combined_"), "policy": pol.name, "kind": pol.kind,
+                        rows.append({"dataset": dataset, "policy": pol.name, "kind": pol.kind,
                                      "methods": "+".join(pol.methods), "k": pol.k or None, "batch_size": b, "accounting": a,
                                      "speedup": s, "mean_acceptance_length": r["mean_acceptance_length"],
                                      "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode})
@@ -408,10 +479,9 @@ def summary_markdown(df, cost: CostModel) -> str:
 
 
 def plot(df, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from .report import save  # sets the Agg backend
 
     dss = sorted(df.dataset.unique())
     fig, axes = plt.subplots(1, len(dss), figsize=(4.6 * len(dss), 3.8), squeeze=False, sharey=True)
@@ -427,11 +497,7 @@ def plot(df, out: Path) -> Path:
         ax.set(title=ds, xscale="log", xlabel="batch size")
     axes[0][0].set_ylabel("simulated speedup")
     axes[0][-1].legend(fontsize=6)
-    fig.tight_layout()
-    p = out / "oracle_speedup.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save(fig, out, "oracle_speedup")
 
 
 def main(argv=None) -> int:
@@ -448,7 +514,8 @@ def main(argv=None) -> int:
     ap.add_argument("--accounting", choices=["optimistic", "faithful", "both"], default="both")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     ap.add_argument("--policies", nargs="+", help="e.g. fixed:eagle:3 oracle:ngram combined:ngram+eagle "
-                    "fallback:ngram+eagle:3 (default: fixed k=1,3,5 and oracle per method, combined, fallback)")
+                    "fallback:ngram+eagle:3 randmatch:ngram:3 (default: fixed k=1,3,5 and oracle per method, combined, "
+                    "fallback; with --batch-mode repeat on a published dataset also randmatch k=1,3,5)")
     ap.add_argument("--requests", type=int, default=300, help="requests sampled per dataset (seed 42; published: 300)")
     ap.add_argument("--batch-mode", choices=["set", "repeat"], default="set",
                     help="set: B different requests per batch (default); repeat: one request repeated B times, the "

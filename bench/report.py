@@ -42,6 +42,14 @@ def markdown_table(df: pd.DataFrame, cols: list[str]) -> str:
     return "\n".join(lines)
 
 
+def save(fig, out: Path, name: str) -> Path:
+    fig.tight_layout()
+    p = out / f"{name}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def _ok(df):
     return df[df.status == "ok"].copy() if "status" in df.columns else df
 
@@ -64,11 +72,7 @@ def plot_speedup_vs_batch(df, out: Path) -> Path | None:
     axes[0][0].set_ylabel("speedup vs same engine, no speculation")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Speedup vs batch size (median, 95% interval)")
-    fig.tight_layout()
-    p = out / "speedup_vs_batch.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save(fig, out, "speedup_vs_batch")
 
 
 def plot_per_position(df, out: Path) -> Path | None:
@@ -84,11 +88,7 @@ def plot_per_position(df, out: Path) -> Path | None:
     ax.set(xlabel="draft position j", ylabel="P(position j accepted | drafted)", ylim=(0, 1.05),
            title="Per-position acceptance")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    p = out / "per_position_acceptance.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save(fig, out, "per_position_acceptance")
 
 
 def plot_time_split(df, out: Path) -> Path | None:
@@ -107,11 +107,7 @@ def plot_time_split(df, out: Path) -> Path | None:
     ax.set_xticklabels(labels, fontsize=6)
     ax.set(ylabel="share of decode cycle time", ylim=(0, 1), title="Where a draft/verify cycle spends its time")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out / "time_split.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save(fig, out, "time_split")
 
 
 def plot_predicted_vs_measured(df, out: Path) -> Path | None:
@@ -127,11 +123,7 @@ def plot_predicted_vs_measured(df, out: Path) -> Path | None:
     ax.set(xlim=lim, ylim=lim, xlabel="predicted (1-a^(k+1))/(1-a) / (k c + r)", ylabel="measured speedup",
            title="Predicted vs measured speedup")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out / "predicted_vs_measured.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save(fig, out, "predicted_vs_measured")
 
 
 def plot_acceptance_vs_temperature(df, out: Path) -> Path | None:
@@ -145,11 +137,7 @@ def plot_acceptance_vs_temperature(df, out: Path) -> Path | None:
         ax.plot(g.index, g.values, marker="o", label=f"{m}/{w}")
     ax.set(xlabel="temperature", ylabel="acceptance rate (alpha)", ylim=(0, 1.05), title="Acceptance vs temperature")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out / "acceptance_vs_temperature.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save(fig, out, "acceptance_vs_temperature")
 
 
 PLOTS = (plot_speedup_vs_batch, plot_per_position, plot_time_split, plot_predicted_vs_measured, plot_acceptance_vs_temperature)

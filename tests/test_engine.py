@@ -186,3 +186,15 @@ def test_backend_generate_returns_interface_records(tiny_llama):
     base = b.generate(ids, Sampling(), 12, speculative=False)
     assert base.requests[0].top2_margins is not None and len(base.requests[0].top2_margins) == 12
     assert [q.output_token_ids for q in base.requests] == [q.output_token_ids for q in out.requests]
+
+
+def test_gguf_llama_rope_unpermute_inverts_llama_cpp_permutation():
+    """llama.cpp's converter interleaves Q/K rows of llama-arch models (documented in its
+    convert script: reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2)); the loader
+    must undo exactly that."""
+    from backends.native.loading import _unpermute_rope
+
+    heads, rows, cols = 4, 32, 6
+    w = torch.randn(rows, cols)
+    permuted = w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    assert torch.equal(_unpermute_rope(permuted, heads), w)

@@ -161,6 +161,8 @@ def test_cli_writes_table_plot_and_summary(tmp_path):
 PUBLISHED = {  # SpecDecode-Bench, Llama-3.1-8B / H100, as published (speedup at batch 1)
     ("instructcoder", "combined:ngram+eagle"): 4.89,
     ("instructcoder", "oracle:eagle"): 2.73,
+    ("instructcoder", "randmatch:ngram:1"): 1.42,
+    ("gsm8k", "randmatch:ngram:3"): 1.15,
 }
 
 
@@ -176,7 +178,7 @@ def test_published_traces_reproduce_published_numbers():
     cost = load_cost_model("llama3.1-8b-h100")
     for (ds, pol), want in PUBLISHED.items():
         traces = load_traces(Path(folder) / f"combined_{ds}.jsonl")
-        got = simulate(traces, Policy.parse(pol), cost, [1])["speedup"][0]
+        got = simulate(traces, Policy.parse(pol), cost, [1], dataset=ds)["speedup"][0]
         assert round(got, 2) == want, (ds, pol, got)
 
 
@@ -205,3 +207,19 @@ def test_set_batch_by_hand():
     # baseline: prefill 1 + max(G) - 1 = 4 decode steps -> 5 s for 8 tokens
     # speculative: prefill 1 + 2 steps x (1 + 0.5) -> 4 s
     assert r["speedup"][0] == pytest.approx((8 / 4) / (8 / 5))
+
+
+def test_random_match_model_bounds(tmp_path):
+    """p = 1: every copy always has a match, which is plain fixed k; p = 0: copies with acc_len 1
+    verify and draft nothing extra, which can only be faster. The draws are reproducible."""
+    traces = load_traces(_write(tmp_path, _rows()))
+    cost = load_cost_model("llama3.1-8b-h100")
+    fixed = simulate(traces, Policy.parse("fixed:ngram:3"), cost, [1, 8])["speedup"]
+    always = simulate(traces, Policy.parse("randmatch:ngram:3:1.0"), cost, [1, 8])["speedup"]
+    never = simulate(traces, Policy.parse("randmatch:ngram:3:0.0"), cost, [1, 8])["speedup"]
+    half = simulate(traces, Policy.parse("randmatch:ngram:3:0.5"), cost, [1, 8])["speedup"]
+    assert always == pytest.approx(fixed, rel=1e-12)
+    assert all(n > h > a for n, h, a in zip(never, half, always))
+    assert simulate(traces, Policy.parse("randmatch:ngram:3:0.5"), cost, [1, 8])["speedup"] == half
+    with pytest.raises(ValueError, match="no published match probability for dataset 'toy'"):
+        simulate(traces, Policy.parse("randmatch:ngram:3"), cost, [1], dataset="toy")

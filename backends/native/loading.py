@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .model import SUPPORTED_ARCHS, ModelArgs, Transformer
+from .model import SUPPORTED_ARCHS, ModelArgs, Transformer, rope_inv_freq
 
 DEFAULT_MODEL = "gemma3-270m"
 CACHE_VERSION = "1"
@@ -197,7 +197,7 @@ def load_gguf_state(reader, args: ModelArgs) -> dict[str, torch.Tensor]:
         if name is None:
             continue
         arr = dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(arr.copy()).float().reshape([int(x) for x in reversed(t.shape.tolist())] if arr.ndim == 1 and len(t.shape) > 1 else arr.shape)
+        w = torch.from_numpy(arr.copy()).float()  # dequantize gives [rows, cols], the torch Linear layout
         if args.arch == "llama" and name.endswith(("attn.wq.weight", "attn.wk.weight")):
             w = _unpermute_rope(w, args.n_heads if "wq" in name else args.n_kv_heads)
         state[name] = w
@@ -261,10 +261,8 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", progress=
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to_empty(device=device)
-    model.inv_freq.copy_(torch.tensor(0))  # placeholder, recomputed below
     missing = model.load_state_dict(state, strict=False, assign=True)
-    from .model import rope_inv_freq
-
+    # The RoPE frequencies are buffers computed from the config, not weights: recompute them off meta.
     model.inv_freq = rope_inv_freq(args, args.rope_theta).to(device)
     model.inv_freq_local = rope_inv_freq(args, args.rope_local_theta).to(device)
     absent = [m for m in missing.missing_keys if not m.startswith("lm_head") or not args.tie_embeddings]
