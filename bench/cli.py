@@ -14,7 +14,7 @@ from .config import ConfigError, register_configs
 log = logging.getLogger("specsweep")
 register_configs()
 
-TABLE_COLUMNS = ["method", "workload", "batch_size", "temperature", "status", "speedup", "acceptance_rate",
+TABLE_COLUMNS = ["backend", "method", "workload", "batch_size", "temperature", "status", "speedup", "acceptance_rate",
                  "mean_acceptance_length", "tokens_per_forward", "verify_fraction", "draft_fraction", "lossless"]
 
 
@@ -45,7 +45,7 @@ def print_table(df, title: str = "specsweep") -> None:
     t = Table(title=title)
     cols = [c for c in TABLE_COLUMNS if c in df.columns]
     for c in cols:
-        t.add_column(c, justify="right" if c not in ("method", "workload", "status", "lossless") else "left")
+        t.add_column(c, justify="right" if c not in ("backend", "method", "workload", "status", "lossless") else "left")
     for _, r in df.sort_values([c for c in ("workload", "method", "batch_size") if c in df.columns]).iterrows():
         cells = []
         for c in cols:

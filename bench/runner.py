@@ -276,6 +276,6 @@ def _lossless(c, base_req, spec_req):
         tiny = not math.isnan(margin) and margin < c["lossless_margin_tol"]
         near += tiny
         failures += not tiny
-        detail.append({"request_id": r.request_id, "repeat": int(r.repeat), "position": i, "top2_margin": margin,
+        detail.append({"request_id": r.request_id, "repeat": int(r["repeat"]), "position": i, "top2_margin": margin,
                        "near_tie": bool(tiny)})
     return ("true" if failures == 0 else "false"), failures, near, detail

