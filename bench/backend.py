@@ -31,6 +31,26 @@ class RequestOutput:
     emit_times_s: list[float] = field(default_factory=list)  # when each chunk of tokens came out
     top2_margins: list[float] | None = None  # target's top-1 minus top-2 logit per output token
     finished_by: str = "length"
+    drafted: int | None = None  # per-request counts, from engines without a per-cycle trace
+    accepted: int | None = None
+
+
+@dataclass
+class SpecCounters:
+    """An engine's own speculative counters over one batch (deltas), for engines that keep no
+    per-cycle trace: verification steps that had a draft, draft tokens, accepted tokens, and
+    accepted tokens per draft position (vLLM's and llama.cpp's counters have this shape)."""
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __add__(self, o: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_position), len(o.accepted_per_position))
+        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        return SpecCounters(self.drafts + o.drafts, self.draft_tokens + o.draft_tokens,
+                            self.accepted_tokens + o.accepted_tokens,
+                            [a + b for a, b in zip(pad(self.accepted_per_position), pad(o.accepted_per_position))])
 
 
 @dataclass
@@ -39,6 +59,7 @@ class BatchOutput:
     wall_s: float
     cycles: list[dict] | None = None  # CYCLE_FIELDS per cycle and row; None if the engine has no trace
     counters: dict = field(default_factory=dict)  # raw engine counters, kept beside the metrics
+    spec_counters: SpecCounters | None = None  # where there is no per-cycle trace
 
 
 class BackendError(RuntimeError):
@@ -68,6 +89,9 @@ class Backend(abc.ABC):
         index 0 is unused), and a note on how exact that is for this drafter. None when the engine
         or method cannot; the trace builder then says the method is unavailable."""
         return None
+
+    def set_artifact_dir(self, path) -> None:
+        """Where the engine may keep files of this job (server logs): the job's folder."""
 
     def describe(self) -> dict:
         """Versions, device, dtype, threads, drafter description: written with every result."""

@@ -26,6 +26,17 @@ def mean_acceptance_length(drafted, accepted) -> float:
     return float(np.sum(accepted[mask] + 1)) / int(mask.sum()) if mask.any() else math.nan
 
 
+def counters_metrics(drafts: int, draft_tokens: int, accepted_tokens: int, accepted_per_position, k: int) -> dict:
+    """The same definitions from an engine's counters (no per-cycle trace): alpha = accepted /
+    draft tokens; tau = 1 + accepted / drafts (vLLM's); per-position = accepted at j / drafts
+    (vLLM's per-position / drafts: exact when every draft has k tokens)."""
+    pos = [float(a) / drafts if drafts else math.nan for a in list(accepted_per_position)[:k]]
+    return {"acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else math.nan,
+            "mean_acceptance_length": 1 + accepted_tokens / drafts if drafts else math.nan,
+            "per_position_acceptance": pos,
+            "conditional_acceptance": [pos[0]] + [b / a if a else math.nan for a, b in zip(pos, pos[1:])] if pos else []}
+
+
 def tokens_per_forward(emitted, n_cycles: int | None = None) -> float:
     """Decode tokens / decode target forwards, over all cycles (plain steps included)."""
     emitted = np.asarray(emitted)

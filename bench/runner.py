@@ -67,6 +67,7 @@ class Measurement:
                 n = len(q.output_token_ids)
                 itl = list(np.diff(q.emit_times_s)) if len(q.emit_times_s) > 1 else []
                 req_rows.append({
+                    "drafted": q.drafted, "accepted": q.accepted,
                     "run": self.kind, "repeat": rep, "batch": bi, "request_id": prompts[i].id, "category": prompts[i].category,
                     "prompt_token_ids": prompt_ids[i], "output_token_ids": q.output_token_ids,
                     "output_text": backend.detokenize(q.output_token_ids), "n_prompt": len(prompt_ids[i]), "n_output": n,
@@ -111,6 +112,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         bcfg = {k: v for k, v in c["backend"].items() if k != "name"}
         backend = instantiate(bcfg, model=c["model"], method=c["method"], num_speculative_tokens=c["num_speculative_tokens"],
                               _convert_="all")
+        backend.set_artifact_dir(jdir)
         row.update(_measure(backend, c, prompts, root, jdir, progress_factory))
         row["status"] = "ok"
     except WorkloadUnavailable as e:
@@ -208,6 +210,17 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     out["baseline_tokens_per_s"] = float(np.median(base_tp))
     out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
                          [spec.throughput(r) for r in spec.repeats()] if speculative else base_tp, speculative))
+    counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
+    if speculative and len(spec_cyc) == 0 and counters:
+        total = sum(counters[1:], counters[0])
+        out.update(metrics.counters_metrics(total.drafts, total.draft_tokens, total.accepted_tokens,
+                                            total.accepted_per_position, c["num_speculative_tokens"]))
+        out["engine_counters"] = vars(total)
+        per = spec_req.dropna(subset=["drafted"])
+        if len(per):
+            out.update(metrics.request_acceptance(per.astype({"drafted": float, "accepted": float})))
+        out["time_split"] = "unavailable: the engine reports no draft/verify time split"
+        out["lossless"], out["lossless_divergences"], out["lossless_near_ties"], out["lossless_detail"] = _lossless(c, base_req, spec_req)
     return out
 
 

