@@ -28,10 +28,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"], help="in-process context only")
     a = ap.parse_args()
     gguf = resolve_gguf("gemma3-270m")
     bench_bin = str(Path(find_binary(None)).parent / "llama-bench")
-    inproc = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "autoregressive"}, threads=a.threads)
+    inproc = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "autoregressive"}, threads=a.threads, flash_attn=a.flash_attn)
     server = LlamaServerBackend({"path": "gemma3-270m"}, {"name": "autoregressive"}, threads=a.threads)
     prompt = inproc.tokenize("The history of the Roman Empire is")
     rates = {"llama-bench tg": [], "in process": [], "llama-server": []}
