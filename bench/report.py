@@ -50,8 +50,10 @@ def save(fig, out: Path, name: str) -> Path:
     return p
 
 
-def _ok(df):
-    return df[df.status == "ok"].copy() if "status" in df.columns else df
+def _ok(df, *required):
+    """Completed jobs, with a value in each of the required columns."""
+    d = df[df.status == "ok"].copy() if "status" in df.columns else df
+    return d.dropna(subset=list(required)) if len(d) and required else d
 
 
 def plot_speedup_vs_batch(df, out: Path) -> Path | None:
@@ -92,8 +94,7 @@ def plot_per_position(df, out: Path) -> Path | None:
 
 
 def plot_time_split(df, out: Path) -> Path | None:
-    d = _ok(df)
-    d = d.dropna(subset=["verify_fraction"]) if len(d) else d
+    d = _ok(df, "verify_fraction")
     if d.empty:
         return None
     d = d.sort_values(["workload", "method", "batch_size"])
@@ -111,8 +112,7 @@ def plot_time_split(df, out: Path) -> Path | None:
 
 
 def plot_predicted_vs_measured(df, out: Path) -> Path | None:
-    d = _ok(df)
-    d = d.dropna(subset=["predicted_speedup", "speedup"]) if len(d) else d
+    d = _ok(df, "predicted_speedup", "speedup")
     if d.empty:
         return None
     fig, ax = plt.subplots(figsize=(5, 4.5))
@@ -127,8 +127,7 @@ def plot_predicted_vs_measured(df, out: Path) -> Path | None:
 
 
 def plot_acceptance_vs_temperature(df, out: Path) -> Path | None:
-    d = _ok(df)
-    d = d.dropna(subset=["acceptance_rate"]) if len(d) else d
+    d = _ok(df, "acceptance_rate")
     if d.empty or d.temperature.nunique() < 2:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 4))
