@@ -39,12 +39,15 @@ def _evidence(r) -> str:
 
 
 def recommend(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (workload, batch_size, temperature): choice, reason, contradictions."""
+    """One row per (backend, workload, batch_size, temperature): choice, reason, contradictions.
+    Speedups are against each engine's own baseline, so engines are not ranked against each other."""
     if df.empty:
-        return pd.DataFrame(columns=["workload", "batch_size", "temperature", "choice", "reason", "notes"])
-    d = df[(df.status == "ok") & (df.method != "autoregressive")]
+        return pd.DataFrame(columns=["backend", "workload", "batch_size", "temperature", "choice", "reason", "notes"])
+    d = df[(df.status == "ok") & (df.method != "autoregressive")].copy()
+    if "backend" not in d.columns:
+        d["backend"] = "-"
     rows = []
-    for (w, b, t), g in d.groupby(["workload", "batch_size", "temperature"]):
+    for (be, w, b, t), g in d.groupby(["backend", "workload", "batch_size", "temperature"]):
         measured = g[g.speedup.notna()]
         notes = []
         for _, r in g.iterrows():
@@ -59,13 +62,14 @@ def recommend(df: pd.DataFrame) -> pd.DataFrame:
                                  f"{_f(r.speedup)}x [{_f(r.speedup_ci_low)}, {_f(r.speedup_ci_high)}]")
         if len(measured):
             best = measured.sort_values("speedup", ascending=False).iloc[0]
+            name = best.method
             if best.speedup_ci_low > 1:
-                choice, reason = best.method, f"{best.method}: {_evidence(best)}"
+                choice, reason = name, f"{name}: {_evidence(best)}"
             elif best.speedup > 1:
-                choice, reason = "off", (f"no method is clearly faster: best is {best.method}, whose interval includes 1 "
+                choice, reason = "off", (f"no method is clearly faster: best is {name}, whose interval includes 1 "
                                          f"({_evidence(best)})")
             else:
-                choice, reason = "off", f"every method is slower; best is {best.method} ({_evidence(best)})"
+                choice, reason = "off", f"every method is slower; best is {name} ({_evidence(best)})"
         else:  # no timing: fall back on the rules of thumb over what was measured
             cands = []
             for _, r in g.iterrows():
@@ -77,20 +81,22 @@ def recommend(df: pd.DataFrame) -> pd.DataFrame:
                 choice, reason = m, "no speedup measured; by rule of thumb: " + "; ".join(x for x, _ in rules)
             else:
                 choice, reason = "off", "no speedup measured, and the rules of thumb predict no gain"
-        rows.append({"workload": w, "batch_size": b, "temperature": t, "choice": choice, "reason": reason,
+        rows.append({"backend": be, "workload": w, "batch_size": b, "temperature": t, "choice": choice, "reason": reason,
                      "notes": "; ".join(notes)})
     return pd.DataFrame(rows)
 
 
 def markdown(rec: pd.DataFrame) -> str:
     lines = ["## Recommendation", "",
-             "Per workload, batch size and temperature: the method to switch on (its 95% interval above 1), or off.", ""]
+             "Per engine, workload, batch size and temperature: the method to switch on (its 95% interval above 1), "
+             "or off. Each speedup is against the same engine without speculation.", ""]
     if rec.empty:
         return "\n".join(lines + ["No speculative job completed.", ""])
-    lines += ["| workload | batch | T | use | why |", "|---|---|---|---|---|"]
+    lines += ["| engine | workload | batch | T | use | why |", "|---|---|---|---|---|---|"]
     for _, r in rec.iterrows():
-        lines.append(f"| {r.workload} | {r.batch_size} | {r.temperature:g} | **{r.choice}** | {r.reason} |")
-    notes = [f"- {r.workload}, batch {r.batch_size}, T={r.temperature:g}: {r.notes}" for _, r in rec.iterrows() if r.notes]
+        lines.append(f"| {r.backend} | {r.workload} | {r.batch_size} | {r.temperature:g} | **{r.choice}** | {r.reason} |")
+    notes = [f"- {r.backend}, {r.workload}, batch {r.batch_size}, T={r.temperature:g}: {r.notes}" for _, r in rec.iterrows()
+             if r.notes]
     if notes:
         lines += ["", "Rules of thumb contradicted by the measurements:", ""] + notes
     return "\n".join(lines) + "\n"

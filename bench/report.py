@@ -50,6 +50,14 @@ def save(fig, out: Path, name: str) -> Path:
     return p
 
 
+def _who(r, multi_backend: bool) -> str:
+    return f"{r.backend}/{r.method}" if multi_backend else f"{r.method}"
+
+
+def _multi(df) -> bool:
+    return "backend" in df.columns and df.backend.nunique() > 1
+
+
 def _ok(df, *required):
     """Completed jobs, with a value in each of the required columns."""
     d = df[df.status == "ok"].copy() if "status" in df.columns else df
@@ -64,10 +72,12 @@ def plot_speedup_vs_batch(df, out: Path) -> Path | None:
     workloads = sorted(d.workload.unique())
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.6), squeeze=False, sharey=True)
     for ax, w in zip(axes[0], workloads):
-        for (m, t), g in d[d.workload == w].groupby(["method", "temperature"]):
+        multi = _multi(d)
+        for (b, m, t), g in d[d.workload == w].groupby(["backend", "method", "temperature"]):
             g = g.sort_values("batch_size")
             err = [g.speedup - g.speedup_ci_low, g.speedup_ci_high - g.speedup]
-            ax.errorbar(g.batch_size, g.speedup, yerr=err, marker="o", capsize=3, label=f"{m} (T={t:g})")
+            ax.errorbar(g.batch_size, g.speedup, yerr=err, marker="o", capsize=3,
+                        label=f"{b + '/' if multi else ''}{m} (T={t:g})")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set(title=w, xlabel="batch size", xscale="log", xticks=sorted(d.batch_size.unique()))
         ax.set_xticklabels([str(b) for b in sorted(d.batch_size.unique())])
@@ -86,7 +96,7 @@ def plot_per_position(df, out: Path) -> Path | None:
     for _, r in d.iterrows():
         vals = r.per_position_acceptance
         ax.plot(range(1, len(vals) + 1), [v if v is not None else math.nan for v in vals], marker="o",
-                label=f"{r.method}/{r.workload}/b{r.batch_size}/T{r.temperature:g}")
+                label=f"{_who(r, _multi(d))}/{r.workload}/b{r.batch_size}/T{r.temperature:g}")
     ax.set(xlabel="draft position j", ylabel="P(position j accepted | drafted)", ylim=(0, 1.05),
            title="Per-position acceptance")
     ax.legend(fontsize=6)
@@ -98,7 +108,7 @@ def plot_time_split(df, out: Path) -> Path | None:
     if d.empty:
         return None
     d = d.sort_values(["workload", "method", "batch_size"])
-    labels = [f"{r.method}\n{r.workload}\nb{r.batch_size}" for _, r in d.iterrows()]
+    labels = [f"{_who(r, _multi(d))}\n{r.workload}\nb{r.batch_size}" for _, r in d.iterrows()]
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(d)), 4))
     x = range(len(d))
     ax.bar(x, d.draft_fraction, label="draft", color="tab:orange")
@@ -116,8 +126,8 @@ def plot_predicted_vs_measured(df, out: Path) -> Path | None:
     if d.empty:
         return None
     fig, ax = plt.subplots(figsize=(5, 4.5))
-    for m, g in d.groupby("method"):
-        ax.scatter(g.predicted_speedup, g.speedup, label=m)
+    for m, g in d.groupby(["backend", "method"] if _multi(d) else ["method"]):
+        ax.scatter(g.predicted_speedup, g.speedup, label="/".join(m) if isinstance(m, tuple) else m)
     lim = [0, max(1.5, float(max(d.predicted_speedup.max(), d.speedup.max())) * 1.1)]
     ax.plot(lim, lim, color="grey", ls="--", lw=0.8)
     ax.set(xlim=lim, ylim=lim, xlabel="predicted (1-a^(k+1))/(1-a) / (k c + r)", ylabel="measured speedup",

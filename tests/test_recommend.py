@@ -41,6 +41,13 @@ def test_rules_of_thumb_only_where_speedup_is_missing():
     assert rec.iloc[0].choice == "off"
 
 
+def test_engines_are_recommended_separately():
+    rows = [{**_row("ngram", 1.8, 1.6, 2.0), "backend": "native"}, {**_row("ngram", 0.9, 0.8, 0.95), "backend": "llamacpp"}]
+    rec = recommend(pd.DataFrame(rows)).set_index("backend")
+    assert rec.loc["native"].choice == "ngram" and rec.loc["llamacpp"].choice == "off"
+    assert "| llamacpp | code_edit | 1 | 0 | **off** |" in markdown(recommend(pd.DataFrame(rows)))
+
+
 def test_baseline_and_failed_jobs_are_not_candidates():
     rows = [_row("autoregressive", 1.0, 1.0, 1.0), {**_row("ngram", 3.0, 2.9, 3.1), "status": "error"}]
     assert recommend(pd.DataFrame(rows)).empty
