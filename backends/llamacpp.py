@@ -170,8 +170,9 @@ class LlamaCppBackend(Backend):
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         if len(prompts) > self.cfg.max_rows:
             raise ValueError(f"batch of {len(prompts)} exceeds backend.max_rows={self.cfg.max_rows}")
-        if speculative and self.method["name"] == "prompt_lookup_lib":
-            return self._generate_library(prompts, sampling, max_new_tokens)
+        if self.method["name"] == "prompt_lookup_lib":
+            # The library's own path, with and without its drafter: the same engine either way.
+            return self._generate_library(prompts, sampling, max_new_tokens, speculative)
         return self._generate_loop(prompts, sampling, max_new_tokens, speculative)
 
     # ------------------------------------------------------------------ the draft/verify loop
@@ -290,9 +291,18 @@ class LlamaCppBackend(Backend):
 
     # ------------------------------------------------------------------ the library's own prompt lookup
 
-    def _library_llm(self):
+    def _library_llm(self, speculative: bool = True):
         """A Llama built with the library's prompt-lookup drafter (it must be given at construction:
-        that is what turns on the per-token logits it verifies with), wrapped to record proposals."""
+        that is what turns on the per-token logits it verifies with), wrapped to record proposals;
+        or, for the baseline, a plain Llama with the library's defaults."""
+        if not speculative:
+            if getattr(self, "_lib_plain", None) is None:
+                import llama_cpp
+
+                threads = self.cfg.threads or 2
+                self._lib_plain = llama_cpp.Llama(self.path, n_ctx=self.cfg.n_ctx, n_threads=threads,
+                                                  n_threads_batch=threads, verbose=False)
+            return self._lib_plain, None
         if getattr(self, "_lib", None) is None:
             import llama_cpp
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -313,13 +323,14 @@ class LlamaCppBackend(Backend):
                                         draft_model=self._drafter, verbose=False)
         return self._lib, self._drafter
 
-    def _generate_library(self, prompts, sampling: Sampling, max_new_tokens: int) -> BatchOutput:
+    def _generate_library(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool = True) -> BatchOutput:
         """As a user calls it: one request at a time (the high-level API has no batching)."""
-        llm, drafter = self._library_llm()
+        llm, drafter = self._library_llm(speculative)
         reqs, cycles = [], []
         t_batch = time.perf_counter()
         for b, p in enumerate(prompts):
-            drafter.calls.clear()
+            if drafter is not None:
+                drafter.calls.clear()
             t0 = time.perf_counter()
             first, toks, times = None, [], []
             for tok in llm.generate(p, temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, reset=True):
@@ -330,7 +341,7 @@ class LlamaCppBackend(Backend):
                 if tok in self.eos or len(toks) >= max_new_tokens:
                     break
             full = list(p) + toks
-            for c, (n_ctx, prop) in enumerate(drafter.calls):  # replay each proposal against what came out
+            for c, (n_ctx, prop) in enumerate(drafter.calls if drafter is not None else []):  # replay each proposal
                 if n_ctx - len(p) >= len(toks):
                     continue
                 truth = full[n_ctx : n_ctx + len(prop)]
@@ -341,12 +352,14 @@ class LlamaCppBackend(Backend):
                                    kv_len=n_ctx - 1, batch_rows=1, t_draft=np.nan, t_verify=np.nan, t_other=np.nan))
             reqs.append(RequestOutput(toks, (first or t0) - t_batch, times[-1] if times else 0.0, times, None,
                                       "eos" if toks and toks[-1] in self.eos else "length"))
-        return BatchOutput(reqs, time.perf_counter() - t_batch, cycles,
-                           counters={"note": "the library exposes no acceptance counters; counted by wrapping its drafter"})
+        return BatchOutput(reqs, time.perf_counter() - t_batch, cycles if speculative else None,
+                           counters={"note": "the library exposes no acceptance counters; counted by wrapping its drafter"}
+                           if speculative else {})
 
     def close(self):
         for c in (self.target, self.draft):
             if c is not None:
                 c.close()
-        if getattr(self, "_lib", None) is not None:
-            self._lib.close()
+        for attr in ("_lib", "_lib_plain"):
+            if getattr(self, attr, None) is not None:
+                getattr(self, attr).close()

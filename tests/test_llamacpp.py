@@ -64,6 +64,8 @@ def test_library_prompt_lookup_counted_by_wrapping_its_drafter(code_edit_prompts
     cyc = _cycles(spec)
     assert sum(c["drafted"] for c in cyc) > 0 and all(c["accepted"] <= c["drafted"] for c in cyc)
     assert "wrapping" in spec[0].counters["note"]
+    # the baseline is the library's own plain path (no drafter), not specsweep's loop
+    assert base[0].cycles is None and base[0].counters == {}
 
 
 def test_clear_errors(tmp_path):
