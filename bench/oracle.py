@@ -179,12 +179,39 @@ def trajectory(t: Trace, pol: Policy) -> Trajectory:
                       np.asarray(win, np.int64))
 
 
-def _draft_time(dc: DraftCost, verify, kv_mean, input_len, published_ngram_skip):
-    if dc.kind == "relative":
-        t = dc.fraction * verify
-        # As published, an n-gram cycle that proposes nothing (input 1) costs no drafting.
-        return np.where(published_ngram_skip & (input_len == 1)[:, None], 0.0, t) if published_ngram_skip is not None else t
-    return dc.c_kv * kv_mean + dc.c_tokens * input_len[:, None] + dc.c_fixed
+def draft_time(pol: Policy, cost: CostModel, accounting: str, ran, verify, kv, il):
+    """Drafting charged per cycle, for arrays of any broadcastable shape: ran[..., j] says whether
+    method j's drafter ran, verify is the cycle's verify time, kv the KV tokens the drafter sees,
+    il the tokens verified. Optimistic combined policies are charged the cheap drafter only."""
+    def one(dc: DraftCost):
+        if dc.kind == "relative":
+            return dc.fraction * verify + np.zeros_like(kv)
+        return dc.c_kv * kv + dc.c_tokens * il + dc.c_fixed
+    if pol.kind == "combined" and accounting == "optimistic":
+        return one(cost.draft(pol.methods[0]))
+    total = np.zeros_like(kv)
+    for j, m in enumerate(pol.methods):
+        dc = cost.draft(m)
+        t = one(dc)
+        if pol.kind in ("fixed", "oracle") and dc.kind == "relative":
+            t = np.where(il == 1, 0.0, t)  # as published: an n-gram cycle that proposes nothing costs nothing
+        total = total + np.where(ran[..., j], t, 0.0)
+    return total
+
+
+def baseline_time(cost: CostModel, P, G, B):
+    """Latency of a request decoded without speculation in a batch of B copies (arrays broadcast):
+    prefill, then G - 1 decode steps while the KV grows by B per step."""
+    n = G - 1
+    return (cost.prefill(B * P) + cost.overhead_per_step + n * (cost.c_compute * B + cost.c_fixed + cost.overhead_per_step)
+            + cost.c_kv * B * (n * (P + 1) + n * (n - 1) / 2))
+
+
+def _result(batch_sizes, speedups, trajs, n_requests: int) -> dict:
+    emitted = sum(int(t.accepted.sum()) for t in trajs)
+    cycles = sum(len(t.accepted) for t in trajs)
+    return {"batch_sizes": list(batch_sizes), "speedup": list(speedups),
+            "mean_acceptance_length": emitted / cycles if cycles else float("nan"), "requests": n_requests}
 
 
 def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: np.ndarray, accounting: str):
@@ -194,10 +221,7 @@ def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: n
     G = generated_len(t, pol.methods)
     Bf = B.astype(np.float64)
     prefill = cost.prefill(Bf * P)
-    # Baseline: G-1 decode steps, the KV grows by B each step.
-    n = G - 1
-    kv_sum = Bf * (n * (P + 1) + n * (n - 1) / 2)
-    base = prefill + cost.overhead_per_step + n * (cost.c_compute * Bf + cost.c_fixed + cost.overhead_per_step) + cost.c_kv * kv_sum
+    base = baseline_time(cost, P, G, Bf)
     # Speculative: per cycle, verify over B * input_len tokens at the KV before the cycle.
     acc, il = traj.accepted.astype(np.float64), traj.input_len.astype(np.float64)
     cum_before = np.concatenate(([0.0], np.cumsum(acc)[:-1]))
@@ -209,17 +233,7 @@ def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: n
     if len(delta):
         delta[-1] -= (1 + acc.sum()) + P  # the last cycle also frees the request's KV
     kv_mean = kv_before + (Bf[None, :] - 1) / 2 * delta[:, None]
-    single_ngram = pol.kind in ("fixed", "oracle") and cost.draft(pol.methods[0]).kind == "relative"
-    # (as published: a relative-cost drafter that proposed nothing costs nothing)
-    skip = np.ones((len(il), 1), bool) if single_ngram else None
-    draft = np.zeros_like(verify)
-    if pol.kind == "combined" and accounting == "optimistic":
-        cheap = cost.draft(pol.methods[0])
-        draft += _draft_time(cheap, verify, kv_mean, traj.input_len, None)
-    else:
-        for j, m in enumerate(pol.methods):
-            dt = _draft_time(cost.draft(m), verify, kv_mean, traj.input_len, skip)
-            draft += np.where(traj.ran[:, j][:, None], dt, 0.0)
+    draft = draft_time(pol, cost, accounting, traj.ran[:, None, :], verify, kv_mean, il[:, None])
     step = verify + draft + cost.overhead_per_step
     if pol.kind in ("combined", "fallback") and accounting == "faithful" and len(traj.winner) > 1:
         switches = float((traj.winner[1:] != traj.winner[:-1]).sum())
@@ -237,10 +251,11 @@ def _check_methods(traces, pol: Policy) -> None:
         raise ValueError(f"policy {pol.name}: the traces have no method {missing}; they have {have}")
 
 
-def sample_requests(traces: list[Trace], methods, n: int = 300, seed: int = SAMPLE_SEED) -> list[Trace]:
-    """The published sampling: random.seed(42); random.sample(requests with output, k=300)."""
+def sample_requests(traces: list[Trace], methods, n: int = 300, rng: random.Random | None = None) -> list[Trace]:
+    """The published sampling: random.seed(42); random.sample(requests with output, k=300). Pass
+    rng to keep drawing from the same stream afterwards."""
     usable = [t for t in traces if all(m in t.acc for m in methods) and generated_len(t, methods) > 0]
-    rng = random.Random(seed)
+    rng = rng or random.Random(SAMPLE_SEED)
     return rng.sample(usable, k=min(n, len(usable)))
 
 
@@ -254,17 +269,13 @@ def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, acc
     reqs = sample_requests(traces, pol.methods, n_requests)
     base_tpt = np.zeros(len(B))
     spec_tpt = np.zeros(len(B))
-    emitted = cycles = 0
-    for t in reqs:
-        traj = trajectory(t, pol)
+    trajs = [trajectory(t, pol) for t in reqs]
+    for t, traj in zip(reqs, trajs):
         base, spec, G = request_times(t, pol, traj, cost, B, accounting)
         base_tpt += B * G / base
         spec_tpt += B * G / spec
-        emitted += traj.accepted.sum()
-        cycles += len(traj.accepted)
     speedup = spec_tpt / base_tpt  # ratio of mean throughputs (the means' 1/n cancels)
-    return {"batch_sizes": B.tolist(), "speedup": speedup.tolist(),
-            "mean_acceptance_length": float(emitted / cycles) if cycles else float("nan"), "requests": len(reqs)}
+    return _result(B.tolist(), speedup.tolist(), trajs, len(reqs))
 
 
 # The published simulator's n-gram match model for fixed k: where acc_len is 1, each copy of the
@@ -286,9 +297,8 @@ def simulate_randmatch(traces, pol: Policy, cost: CostModel, batch_sizes, n_requ
         raise ValueError(f"policy {pol.name}: no published match probability for dataset {dataset!r} "
                          f"({', '.join(PUBLISHED_MATCH_PROB)}); give one: randmatch:{pol.methods[0]}:{pol.k}:P")
     dc = cost.draft(pol.methods[0])
-    usable = [t for t in traces if pol.methods[0] in t.acc and generated_len(t, pol.methods) > 0]
     rng = random.Random(SAMPLE_SEED)
-    reqs = rng.sample(usable, k=min(n_requests, len(usable)))
+    reqs = sample_requests(traces, pol.methods, n_requests, rng)
     version, state, _ = rng.getstate()
     mt = np.random.RandomState()
     mt.set_state(("MT19937", np.asarray(state[:-1], dtype=np.uint32), state[-1]))
@@ -304,7 +314,6 @@ def simulate_randmatch(traces, pol: Policy, cost: CostModel, batch_sizes, n_requ
     one = np.concatenate([np.asarray(t.acc[pol.methods[0]])[b] == 1 for t, b in zip(reqs, befores)] + [np.zeros(0, bool)])
     P = np.array([t.prompt_len for t in reqs], float)
     G = np.array([generated_len(t, pol.methods) for t in reqs], float)
-    n = G - 1
     n_one = int(one.sum())
     speedups = []
     for B in batch_sizes:
@@ -312,32 +321,12 @@ def simulate_randmatch(traces, pol: Policy, cost: CostModel, batch_sizes, n_requ
         m = np.full(len(acc), float(B))
         m[one] = (mt.random_sample(B * n_one) < p).reshape(-1, B).sum(1)  # copies with a match, per such cycle
         pre = cost.prefill(B * P) + cost.overhead_per_step
-        base = pre + n * (cost.c_compute * B + cost.c_fixed + cost.overhead_per_step) + cost.c_kv * B * (n * (P + 1) + n * (n - 1) / 2)
+        base = baseline_time(cost, P, G, B)
         verify = cost.c_kv * B * (P[req] + 1 + cum_before) + cost.c_compute * (m * (pol.k + 1) + (B - m)) + cost.c_fixed
         step = verify + dc.fraction * verify * m / B + cost.overhead_per_step  # a copy without a match drafts nothing
         spec = pre + np.bincount(req, weights=step, minlength=len(reqs))
         speedups.append(float((B * G / spec).sum() / (B * G / base).sum()))
-    emitted = sum(t.accepted.sum() for t in trajs)
-    cycles = sum(len(t.accepted) for t in trajs)
-    return {"batch_sizes": list(batch_sizes), "speedup": speedups,
-            "mean_acceptance_length": float(emitted / cycles) if cycles else float("nan"), "requests": len(reqs)}
-
-
-def _draft_row_times(pol: Policy, traj_ran, cost: CostModel, verify, kv, il, accounting):
-    """Per row and step draft time for set batches: [rows, steps]."""
-    def one(dc: DraftCost):
-        if dc.kind == "relative":
-            return dc.fraction * verify[None, :] * np.ones_like(kv)
-        return dc.c_kv * kv + dc.c_tokens * il + dc.c_fixed
-    if pol.kind == "combined" and accounting == "optimistic":
-        return one(cost.draft(pol.methods[0]))
-    out = np.zeros_like(kv)
-    for j, m in enumerate(pol.methods):
-        t = one(cost.draft(m))
-        if pol.kind in ("fixed", "oracle") and cost.draft(m).kind == "relative":
-            t = np.where(il == 1, 0.0, t)
-        out += np.where(traj_ran[..., j], t, 0.0)
-    return out
+    return _result(batch_sizes, speedups, trajs, len(reqs))
 
 
 def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, accounting: str = "optimistic",
@@ -380,17 +369,14 @@ def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes,
             act = il > 0
             kv = np.where(act, (P + 1)[:, None] + np.cumsum(acc, 1) - acc, 0.0)
             verify = cost.c_kv * kv.sum(0) + cost.c_compute * il.sum(0) + cost.c_fixed
-            draft = np.where(act, _draft_row_times(pol, ran, cost, verify, kv, il, accounting), 0.0).max(0)
+            draft = np.where(act, draft_time(pol, cost, accounting, ran, verify[None, :], kv, il), 0.0).max(0)
             step = verify + draft + cost.overhead_per_step
             if pol.kind in ("combined", "fallback") and accounting == "faithful" and T > 1:
                 switched = ((win[:, 1:] != win[:, :-1]) & act[:, 1:]).any(0)
                 step[1:] += switched * cost.switching_cost
             spec_t += pre + step.sum()
         speedups.append((tok / spec_t) / (tok / base_t))
-    emitted = sum(t.accepted.sum() for t in trajs)
-    cycles = sum(len(t.accepted) for t in trajs)
-    return {"batch_sizes": list(batch_sizes), "speedup": speedups,
-            "mean_acceptance_length": float(emitted / cycles) if cycles else float("nan"), "requests": len(reqs)}
+    return _result(batch_sizes, speedups, trajs, len(reqs))
 
 
 def default_policies(methods: list[str], ks=(1, 3, 5)) -> list[Policy]:
