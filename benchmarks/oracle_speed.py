@@ -3,9 +3,11 @@
   python benchmarks/oracle_speed.py TRACES_DIR [--published-simulator DIR]
 
 TRACES_DIR holds the published combined_<dataset>.jsonl files (SpecDecode-Bench, Llama-3.1-8B;
-they carry no license, so they are not part of this repository). With --published-simulator (a
-checkout of SpecDecode-Bench's simulator) its `main.py --proposer combined` is timed on one dataset
-and its CSV compared with ours, number for number."""
+they carry no license, so they are not part of this repository, and this check is not a test).
+With --published-simulator (a checkout of SpecDecode-Bench's simulator) its
+`main.py --proposer combined` is timed on one dataset, and every row of every
+<proposer>_<dataset>_speedup.csv in its results/ folder is compared with specsweep's, number for
+number; any difference exits with status 1."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +55,35 @@ def main():
         same = [round(x, 2) for x in ours] == theirs.speedup.round(2).tolist()
         print(f"published simulator, same job: {t_pub:.1f} s -> {theirs.speedup.tolist()}; identical to 2 decimals: {same}; "
               f"specsweep is {t_pub / t_one:.0f}x faster")
+        total, diffs = compare_published(Path(a.published_simulator) / "results", Path(a.traces_dir))
+        print(f"published result rows compared: {total}, differences: {diffs}")
+        if diffs or not same:
+            sys.exit(1)
+
+
+def compare_published(results_dir: Path, traces_dir: Path) -> tuple[int, int]:
+    """Every row the published simulator wrote (batch_size, predict_method, acc_method, speedup)
+    against the same policy here: FIXED_k / ORACLE on EAGLE or NGRAM, and the combined oracle."""
+    total = diffs = 0
+    for f in sorted(results_dir.glob("*_speedup.csv")):
+        dataset = f.stem.split("_")[1]
+        traces = load_traces(traces_dir / f"combined_{dataset}.jsonl")
+        ref = pd.read_csv(f)
+        for (pm, acc), g in ref.groupby(["predict_method", "acc_method"]):
+            m = "ngram" if acc == "NGRAM" else "eagle"
+            if acc.startswith("COMBINE"):
+                pol = "combined:ngram+eagle"
+            elif pm == "ORACLE":
+                pol = f"oracle:{m}"
+            else:
+                pol = f"randmatch:ngram:{pm[-1]}" if m == "ngram" else f"fixed:eagle:{pm[-1]}"
+            got = simulate(traces, Policy.parse(pol), LLAMA31_8B_H100, g.batch_size.tolist(), dataset=dataset)["speedup"]
+            for b, want, x in zip(g.batch_size, g.speedup, got):
+                total += 1
+                if round(x, 2) != want:
+                    diffs += 1
+                    print(f"  differs: {dataset} {pol} batch {b}: published {want}, specsweep {x:.4f}")
+    return total, diffs
 
 
 if __name__ == "__main__":
