@@ -92,15 +92,23 @@ def load_cost_model(name_or_file: str) -> CostModel:
 
     try:
         d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"cost model file {p}: not valid YAML ({e})") from None
+    return cost_model_from_dict(d, p.stem, str(p))
+
+
+def cost_model_from_dict(d: dict, default_name: str = "cost model", source: str = "") -> CostModel:
+    """A CostModel from the YAML layout above (also what specsweep-fit-cost produces)."""
+    try:
         t = d["target"]
         drafters = {k: DraftCost(**v) for k, v in (d.get("drafters") or {}).items()}
         pre = d.get("prefill") or {}
-        return CostModel(name=d.get("name", p.stem), c_kv=float(t["c_kv"]), c_compute=float(t["c_compute"]),
+        return CostModel(name=d.get("name", default_name), c_kv=float(t["c_kv"]), c_compute=float(t["c_compute"]),
                          c_fixed=float(t["c_fixed"]), overhead_per_step=float(d.get("overhead_per_step", 0.0)),
                          switching_cost=float(d.get("switching_cost", 0.0)), drafters=drafters,
-                         source=d.get("source", str(p)),
+                         source=d.get("source", source),
                          prefill_c_tokens=float(pre["c_tokens"]) if "c_tokens" in pre else None,
                          prefill_c_fixed=float(pre.get("c_fixed", 0.0)) if "c_tokens" in pre else None)
-    except (KeyError, TypeError, yaml.YAMLError) as e:
-        raise ValueError(f"cost model file {p}: {type(e).__name__}: {e}; expected keys target.c_kv, target.c_compute, "
-                         "target.c_fixed and optional overhead_per_step, switching_cost, drafters") from None
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"cost model {source or default_name}: {type(e).__name__}: {e}; expected keys target.c_kv, "
+                         "target.c_compute, target.c_fixed and optional overhead_per_step, switching_cost, drafters") from None

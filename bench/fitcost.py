@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from .metrics import batched_cycles
 from .results import find_sweep_dirs, load_summaries
 
 
@@ -31,9 +32,7 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
         c = pd.read_parquet(f)
         if c.empty:
             continue
-        g = c.groupby(["run", "repeat", "batch", "cycle"]).agg(
-            kv_tokens=("kv_len", "sum"), rows=("batch_rows", "first"), kmax=("drafted", "max"),
-            t_verify=("t_verify", "first"), t_draft=("t_draft", "first"), t_other=("t_other", "first")).reset_index()
+        g = batched_cycles(c)
         g["batched_tokens"] = g.rows * (g.kmax + 1)
         g["method"] = np.where(g.run == "baseline", "autoregressive", s.method)
         g["job"] = s.job
@@ -86,6 +85,16 @@ def fit_prefill(sweep_dir: Path) -> dict | None:
     return {"c_tokens": float(c_tok), "c_fixed": float(c_fix), "fit": {"requests": len(xs), "relative_rms_error": err, "r2": r2}}
 
 
+def fit_sweep(sweep_dir: Path, name: str | None = None) -> dict:
+    """The whole cost model of a sweep: target, drafters, overhead and (from batch-1 TTFTs) prefill."""
+    model = fit(unique_cycles(sweep_dir), name or f"fitted-{Path(sweep_dir).name}")
+    pre = fit_prefill(sweep_dir)
+    if pre is not None:
+        model["fit"]["prefill"] = pre.pop("fit")
+        model["prefill"] = pre
+    return model
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specsweep-fit-cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("results_dir", help="a sweep folder whose jobs have cycles.parquet")
@@ -98,11 +107,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        model = fit(unique_cycles(sweeps[0]), a.name or f"fitted-{sweeps[0].name}")
-        pre = fit_prefill(sweeps[0])
-        if pre is not None:
-            model["fit"]["prefill"] = pre.pop("fit")
-            model["prefill"] = pre
+        model = fit_sweep(sweeps[0], a.name)
     except ValueError as e:
         print(f"specsweep-fit-cost: {e}", file=sys.stderr)
         return 2

@@ -88,6 +88,15 @@ def time_fractions(cycles: pd.DataFrame, keys=("repeat", "batch", "cycle")) -> d
             "other_fraction": float(uniq.t_other.sum()) / total}
 
 
+def batched_cycles(cycles: pd.DataFrame) -> pd.DataFrame:
+    """One row per batched cycle (its rows share one verify forward): the summed KV tokens of its
+    rows, its row count, its longest draft, and its phase times."""
+    keys = [k for k in ("run", "repeat", "batch", "cycle") if k in cycles.columns]
+    return cycles.groupby(keys).agg(
+        kv_tokens=("kv_len", "sum"), rows=("batch_rows", "first"), kmax=("drafted", "max"), t_verify=("t_verify", "first"),
+        t_draft=("t_draft", "first"), t_other=("t_other", "first")).reset_index()
+
+
 def verify_cost_ratio(t_verify_n, t_verify_1) -> float:
     """r(n) = time of a target forward over n tokens / over 1 token (medians of measured times)."""
     a, b = np.median(np.asarray(t_verify_n)), np.median(np.asarray(t_verify_1))

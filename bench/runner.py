@@ -206,26 +206,19 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     write_parquet(jdir / "requests.parquet", requests)
     write_parquet(jdir / "cycles.parquet", cycles)
 
-    out = {"baseline_from": baseline_from, "engine": backend.describe(), "drafter": backend.describe().get("drafter")}
+    engine = backend.describe()
+    out = {"baseline_from": baseline_from, "engine": engine, "drafter": engine.get("drafter")}
     out["baseline_tokens_per_s"] = float(np.median(base_tp))
-    out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
-                         [spec.throughput(r) for r in spec.repeats()] if speculative else base_tp, speculative))
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
-    if speculative and len(spec_cyc) == 0 and counters:
-        total = sum(counters[1:], counters[0])
-        out.update(metrics.counters_metrics(total.drafts, total.draft_tokens, total.accepted_tokens,
-                                            total.accepted_per_position, c["num_speculative_tokens"]))
-        out["engine_counters"] = vars(total)
-        per = spec_req.dropna(subset=["drafted"])
-        if len(per):
-            out.update(metrics.request_acceptance(per.astype({"drafted": float, "accepted": float})))
-        out["time_split"] = "unavailable: the engine reports no draft/verify time split"
-        out["lossless"], out["lossless_divergences"], out["lossless_near_ties"], out["lossless_detail"] = _lossless(c, base_req, spec_req)
+    out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
+                         [spec.throughput(r) for r in spec.repeats()] if speculative else base_tp, speculative,
+                         sum(counters[1:], counters[0]) if counters else None))
     return out
 
 
-def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool) -> dict:
-    """Every metric of DESIGN.md from the measured tables."""
+def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool, counters=None) -> dict:
+    """Every metric of DESIGN.md from the measured tables; where the engine keeps no per-cycle
+    trace, acceptance comes from its counters (a SpecCounters total), under the same definitions."""
     k = c["num_speculative_tokens"]
     req = spec_req if speculative else base_req
     cyc = spec_cyc if speculative else base_cyc
@@ -242,11 +235,22 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
         s.update(metrics.time_fractions(cyc))
     else:
         s.update(tokens_per_forward=math.nan, verify_fraction=math.nan, draft_fraction=math.nan, other_fraction=math.nan)
+    if speculative:
+        s["lossless"], s["lossless_divergences"], s["lossless_near_ties"], s["lossless_detail"] = _lossless(c, base_req, spec_req)
+    else:
+        s["lossless"] = "n/a"
     if not speculative or not have_trace:
         s.update(acceptance_rate=math.nan, mean_acceptance_length=math.nan, per_position_acceptance=[],
-                 conditional_acceptance=[], verify_cost_ratio=math.nan, draft_cost_ratio=math.nan, predicted_speedup=math.nan,
-                 lossless="n/a" if not speculative else _lossless(c, base_req, spec_req)[0])
+                 conditional_acceptance=[], verify_cost_ratio=math.nan, draft_cost_ratio=math.nan, predicted_speedup=math.nan)
         s.update(metrics.request_acceptance(pd.DataFrame({"request_id": [], "drafted": [], "accepted": []})))
+        if speculative and counters is not None:
+            s.update(metrics.counters_metrics(counters.drafts, counters.draft_tokens, counters.accepted_tokens,
+                                              counters.accepted_per_position, k))
+            s["engine_counters"] = vars(counters)
+            per = spec_req.dropna(subset=["drafted"])
+            if len(per):
+                s.update(metrics.request_acceptance(per.astype({"drafted": float, "accepted": float})))
+            s["time_split"] = "unavailable: the engine reports no draft/verify time split"
         return s
     s["acceptance_rate"] = metrics.acceptance_rate(cyc.drafted, cyc.accepted)
     s["mean_acceptance_length"] = metrics.mean_acceptance_length(cyc.drafted, cyc.accepted)
@@ -255,9 +259,8 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
     s.update(metrics.request_acceptance(cyc))
     s["drafted_share"] = float((cyc.drafted > 0).mean())  # cycles that had a proposal at all
     # Cost ratios from the measured cycles themselves, at this batch shape: a batched cycle once.
-    keys = ["repeat", "batch", "cycle"]
-    sc = cyc.groupby(keys).agg(kmax=("drafted", "max"), t_verify=("t_verify", "first"), t_draft=("t_draft", "first"))
-    bc = base_cyc.drop_duplicates(subset=keys) if len(base_cyc) else base_cyc
+    sc = metrics.batched_cycles(cyc)
+    bc = metrics.batched_cycles(base_cyc) if len(base_cyc) else base_cyc
     full = sc[sc.kmax == k]
     if len(bc) and len(full):
         step = float(np.median(bc.t_verify))
@@ -266,7 +269,6 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
     else:
         s["verify_cost_ratio"] = s["draft_cost_ratio"] = math.nan
     s["predicted_speedup"] = metrics.predicted_speedup(s["acceptance_rate"], k, s["draft_cost_ratio"], s["verify_cost_ratio"])
-    s["lossless"], s["lossless_divergences"], s["lossless_near_ties"], s["lossless_detail"] = _lossless(c, base_req, spec_req)
     return s
 
 

@@ -13,12 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.costmodel import load_cost_model  # noqa: E402
-from bench.fitcost import fit, fit_prefill, unique_cycles  # noqa: E402
+from bench.costmodel import cost_model_from_dict  # noqa: E402
+from bench.fitcost import fit_sweep  # noqa: E402
 from bench.oracle import Policy, load_traces, simulate  # noqa: E402
 from bench.results import load_summaries  # noqa: E402
 from bench.traces import build_traces  # noqa: E402
@@ -26,14 +24,8 @@ from bench.traces import build_traces  # noqa: E402
 
 def main(sweep: str) -> None:
     sweep_dir = Path(sweep)
-    model = fit(unique_cycles(sweep_dir), "fitted")
-    pre = fit_prefill(sweep_dir)
-    if pre:
-        pre.pop("fit")
-        model["prefill"] = pre
+    cost = cost_model_from_dict(fit_sweep(sweep_dir, "fitted"))
     tmp = Path(tempfile.mkdtemp())
-    (tmp / "cost.yaml").write_text(yaml.safe_dump(model))
-    cost = load_cost_model(str(tmp / "cost.yaml"))
     df = load_summaries(sweep_dir)
     rows = []
     for _, s in df[(df.status == "ok") & (df.batch_size == 1) & (df.temperature == 0)].iterrows():

@@ -89,3 +89,11 @@ def test_first_divergence():
     assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert metrics.first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert metrics.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_batched_cycles_counts_a_batched_cycle_once():
+    df = pd.DataFrame({"repeat": [0, 0, 0], "batch": [0, 0, 0], "cycle": [0, 0, 1], "kv_len": [10, 20, 11],
+                       "batch_rows": [2, 2, 1], "drafted": [3, 1, 2], "t_verify": [2.0, 2.0, 3.0], "t_draft": [0.1, 0.1, 0.2],
+                       "t_other": [0.0, 0.0, 0.0]})
+    b = metrics.batched_cycles(df)
+    assert b.kv_tokens.tolist() == [30, 11] and b.kmax.tolist() == [3, 2] and b.t_verify.tolist() == [2.0, 3.0]
