@@ -226,10 +226,11 @@ class LlamaCppBackend(Backend):
             if D is not None:
                 D.decode([(b, p, 0, [False] * (len(p) - 1) + [True])])
                 draft_len[b] = len(p)
-            if sp.greedy:
+            if sp.greedy and not spec:
                 tok, margin = top2_margin(lg)
-                if not spec:
-                    margins[b].append(margin)
+                margins[b].append(margin)
+            elif sp.greedy:
+                tok = int(lg.argmax())
             else:
                 tok = int(select(torch.from_numpy(lg[None].copy()), sp, gen)[0][0])
             seqs[b].append(tok)
@@ -258,7 +259,8 @@ class LlamaCppBackend(Backend):
                     a = 0
                     while a < len(d) and int(rows_lg[a].argmax()) == d[a]:
                         a += 1
-                    nxt, margin = top2_margin(rows_lg[a])
+                    # the baseline records the top-2 margin for the lossless check; a spec run needs only the argmax
+                    nxt, margin = top2_margin(rows_lg[a]) if not spec else (int(rows_lg[a].argmax()), None)
                 else:
                     a, nxt = verify(d, q, torch.from_numpy(np.stack(rows_lg)), sp, gen)
                 n = len(seqs[b])

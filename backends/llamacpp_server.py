@@ -106,6 +106,7 @@ class Server:
     def __init__(self, binary: str, model: str, flags: list[str], slots: int, ctx_per_slot: int, threads: int,
                  port: int | None, log: Path, timeout_s: float):
         self.port = port or free_port()
+        self.slots = slots
         self.log_path = log
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
@@ -193,7 +194,7 @@ class LlamaServerBackend(Backend):
     def _server(self, speculative: bool, slots: int) -> Server:
         s = self.servers.get(speculative)
         restart = speculative and self.method["name"] in STATEFUL  # comparable repeats: a fresh drafter each batch
-        if s is None or s.proc.poll() is not None or int(s.cmd[s.cmd.index("-np") + 1]) < slots or restart:
+        if s is None or s.proc.poll() is not None or s.slots < slots or restart:
             if s is not None:
                 s.stop()
             name = "spec" if speculative else "baseline"

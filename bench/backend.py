@@ -99,3 +99,11 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         pass
+
+
+def instantiate_backend(backend_cfg: dict, model: dict, method: dict, num_speculative_tokens: int) -> Backend:
+    """Build the engine adapter named by the backend config's `_target_` (Hydra instantiation)."""
+    from hydra.utils import instantiate
+
+    cfg = {k: v for k, v in backend_cfg.items() if k != "name"}
+    return instantiate(cfg, model=model, method=method, num_speculative_tokens=num_speculative_tokens, _convert_="all")

@@ -26,7 +26,6 @@ Accountings for combined policies:
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .costmodel import CostModel, DraftCost
+from .jsonl import read_jsonl
 
 SAMPLE_SEED = 42  # the published methodology samples 300 requests with random.seed(42)
 
@@ -60,28 +60,21 @@ def load_traces(path: str | Path) -> list[Trace]:
     if not p.is_file():
         raise TraceError(f"trace file {path!r} does not exist")
     out = []
-    with p.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
-            acc, drafted = {}, {}
-            for k, v in d.items():
-                if k.startswith("acc_") and isinstance(v, dict) and isinstance(v.get("acc_len"), list):
-                    arr = np.asarray(v["acc_len"], dtype=np.int64)
-                    if len(arr) and arr.min() < 1:
-                        raise TraceError(f"{path}, line {n}: {k}.acc_len has a value below 1 (it counts emitted tokens)")
-                    acc[k[4:]] = arr
-                    if isinstance(v.get("draft_len"), list):
-                        drafted[k[4:]] = np.asarray(v["draft_len"], dtype=np.int64)
-            if not acc or "prompt_token_ids" not in d:
-                raise TraceError(f'{path}, line {n}: expected "prompt_token_ids" and at least one "acc_<method>": '
-                                 '{"acc_len": [...]}')
-            out.append(Trace(str(d.get("id", n)), len(d["prompt_token_ids"]), d.get("generated_token_ids", []), acc,
-                             drafted or None))
+    for n, d in read_jsonl(p, TraceError):
+        acc, drafted = {}, {}
+        for k, v in (d.items() if isinstance(d, dict) else ()):
+            if k.startswith("acc_") and isinstance(v, dict) and isinstance(v.get("acc_len"), list):
+                arr = np.asarray(v["acc_len"], dtype=np.int64)
+                if len(arr) and arr.min() < 1:
+                    raise TraceError(f"{path}, line {n}: {k}.acc_len has a value below 1 (it counts emitted tokens)")
+                acc[k[4:]] = arr
+                if isinstance(v.get("draft_len"), list):
+                    drafted[k[4:]] = np.asarray(v["draft_len"], dtype=np.int64)
+        if not acc or "prompt_token_ids" not in d:
+            raise TraceError(f'{path}, line {n}: expected "prompt_token_ids" and at least one "acc_<method>": '
+                             '{"acc_len": [...]}')
+        out.append(Trace(str(d.get("id", n)), len(d["prompt_token_ids"]), d.get("generated_token_ids", []), acc,
+                         drafted or None))
     if not out:
         raise TraceError(f"{path}: no traces")
     return out

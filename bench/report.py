@@ -71,8 +71,8 @@ def plot_speedup_vs_batch(df, out: Path) -> Path | None:
         return None
     workloads = sorted(d.workload.unique())
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.6), squeeze=False, sharey=True)
+    multi = _multi(d)
     for ax, w in zip(axes[0], workloads):
-        multi = _multi(d)
         for (b, m, t), g in d[d.workload == w].groupby(["backend", "method", "temperature"]):
             g = g.sort_values("batch_size")
             err = [g.speedup - g.speedup_ci_low, g.speedup_ci_high - g.speedup]
@@ -93,10 +93,11 @@ def plot_per_position(df, out: Path) -> Path | None:
     if d.empty:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    multi = _multi(d)
     for _, r in d.iterrows():
         vals = r.per_position_acceptance
         ax.plot(range(1, len(vals) + 1), [v if v is not None else math.nan for v in vals], marker="o",
-                label=f"{_who(r, _multi(d))}/{r.workload}/b{r.batch_size}/T{r.temperature:g}")
+                label=f"{_who(r, multi)}/{r.workload}/b{r.batch_size}/T{r.temperature:g}")
     ax.set(xlabel="draft position j", ylabel="P(position j accepted | drafted)", ylim=(0, 1.05),
            title="Per-position acceptance")
     ax.legend(fontsize=6)
@@ -108,7 +109,8 @@ def plot_time_split(df, out: Path) -> Path | None:
     if d.empty:
         return None
     d = d.sort_values(["workload", "method", "batch_size"])
-    labels = [f"{_who(r, _multi(d))}\n{r.workload}\nb{r.batch_size}" for _, r in d.iterrows()]
+    multi = _multi(d)
+    labels = [f"{_who(r, multi)}\n{r.workload}\nb{r.batch_size}" for _, r in d.iterrows()]
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(d)), 4))
     x = range(len(d))
     ax.bar(x, d.draft_fraction, label="draft", color="tab:orange")

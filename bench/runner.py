@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 
 from . import environment, metrics
-from .backend import Backend, BatchOutput, Sampling
+from .backend import Backend, BatchOutput, Sampling, instantiate_backend
 from .config import ConfigError, validate
 from .results import (baseline_identity, build_index, file_lock, is_complete, job_name, read_json, short_hash,
                       write_json, write_parquet, write_text)
@@ -109,9 +109,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     try:
         wparams = {k: v for k, v in c["workload"].items() if k != "name"}
         prompts = load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], **wparams)
-        bcfg = {k: v for k, v in c["backend"].items() if k != "name"}
-        backend = instantiate(bcfg, model=c["model"], method=c["method"], num_speculative_tokens=c["num_speculative_tokens"],
-                              _convert_="all")
+        backend = instantiate_backend(c["backend"], c["model"], c["method"], c["num_speculative_tokens"])
         backend.set_artifact_dir(jdir)
         row.update(_measure(backend, c, prompts, root, jdir, progress_factory))
         row["status"] = "ok"

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
+from .backend import instantiate_backend
 from .ngram import acceptance_lengths_from_predictions, ngram_lookup
 
 NGRAM_KEYS = ("min_ngram", "max_ngram", "prefer_recent", "min_hits")
@@ -76,14 +77,11 @@ def build_traces(job_dir: Path, methods: list[str], k: int | None = None) -> tup
                 r["acc_ngram"] = {"acc_len": acc.tolist(), "draft_len": drafted.tolist()}
             notes[name] = "exact: prompt lookup replayed over the generated tokens"
             continue
-        from hydra.utils import instantiate
-
-        bcfg = {key: v for key, v in OmegaConf.to_container(cfg.backend).items() if key != "name"}
-        backend = instantiate(bcfg, model=OmegaConf.to_container(cfg.model), method=mcfg, num_speculative_tokens=k,
-                              _convert_="all")
-        seqs = [r["prompt_token_ids"] + r["generated_token_ids"] for r in rows]
-        got = backend.draft_predictions(seqs)
-        backend.close()
+        backend = instantiate_backend(OmegaConf.to_container(cfg.backend), OmegaConf.to_container(cfg.model), mcfg, k)
+        try:
+            got = backend.draft_predictions([r["prompt_token_ids"] + r["generated_token_ids"] for r in rows])
+        finally:
+            backend.close()
         if got is None:
             raise ValueError(f"backend {cfg.backend.name!r} cannot produce teacher-forced drafts for method {name!r}")
         preds, notes[name] = got

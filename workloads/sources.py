@@ -8,6 +8,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.jsonl import read_jsonl
+
 
 class WorkloadError(ValueError):
     """Bad workload input: names the problem and what would be valid."""
@@ -236,13 +238,7 @@ def jsonl(num_prompts, seed, path=None, categories=None, **_):
     if not p.is_file():
         raise WorkloadError(f"workload.path={path!r}: no such file")
     items = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise WorkloadError(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    for n, obj in read_jsonl(p, WorkloadError):
         if not isinstance(obj, dict) or not isinstance(obj.get("turns"), list) or not obj["turns"] or not isinstance(obj["turns"][0], str):
             raise WorkloadError(f'{path}, line {n}: expected an object with "turns": [a non-empty list of strings] '
                                 '(and "question_id", "category")')

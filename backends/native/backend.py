@@ -121,8 +121,8 @@ class NativeBackend(Backend):
         else:
             return None
         out = []
+        model.setup_cache(1, max(len(s) for s in sequences) + 1)  # one cache, reused: every pass starts at position 0
         for seq in sequences:
-            model.setup_cache(1, len(seq) + 1)
             toks = torch.tensor([seq], device=self.cfg.device)
             none = torch.zeros_like(toks, dtype=torch.bool)
             _, hidden = model(toks, torch.arange(len(seq), device=self.cfg.device)[None], layers=layers,
