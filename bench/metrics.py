@@ -148,3 +148,11 @@ def first_divergence(spec: list[int], base: list[int]) -> int | None:
         if a != b:
             return i
     return None if len(spec) == len(base) else min(len(spec), len(base))
+
+
+def by_draft_source(source, drafted, accepted) -> dict:
+    """Combined drafters: for each source (e.g. ngram, neural), its share of the cycles and the
+    acceptance rate of its own drafts."""
+    df = pd.DataFrame({"source": source, "drafted": drafted, "accepted": accepted}).dropna(subset=["source"])
+    return {str(s): {"cycle_share": len(g) / len(df), "acceptance_rate": acceptance_rate(g.drafted, g.accepted)}
+            for s, g in df.groupby("source")}

@@ -40,3 +40,20 @@ def acceptance_lengths_from_predictions(generated, predicted_next, k: int) -> np
     i = np.arange(G)
     matched = np.minimum(run[np.minimum(i + 1, G)], k)
     return np.minimum(matched + 1, G - i)
+
+
+def acceptance_lengths_from_chains(generated, chains, k: int) -> np.ndarray:
+    """acc_len[i] for a drafter whose k-token chain depends on its own earlier drafts (EAGLE
+    heads): chains[t] holds the chain it drafts for generated[t], generated[t+1], ... when given
+    the true prefix (and, on accepted steps, the true tokens, which an accepted chain holds).
+    acc_len[i] = 1 + the leading matches of chains[i+1] against generated[i+1:], at most k, and
+    never past the end of the generation."""
+    g = np.asarray(generated)
+    G = len(g)
+    out = np.ones(G, dtype=np.int64)
+    for i in range(G - 1):
+        truth = g[i + 1 : i + 1 + k]
+        c = np.asarray(chains[i + 1])[: len(truth)]
+        miss = np.flatnonzero(c != truth)
+        out[i] = 1 + (miss[0] if len(miss) else len(truth))
+    return out

@@ -256,6 +256,8 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
     s["conditional_acceptance"] = metrics.conditional_acceptance(cyc.drafted, cyc.accepted, k)
     s.update(metrics.request_acceptance(cyc))
     s["drafted_share"] = float((cyc.drafted > 0).mean())  # cycles that had a proposal at all
+    if "draft_source" in cyc.columns:
+        s["draft_sources"] = metrics.by_draft_source(cyc.draft_source, cyc.drafted, cyc.accepted)
     # Cost ratios from the measured cycles themselves, at this batch shape: a batched cycle once.
     sc = metrics.batched_cycles(cyc)
     bc = metrics.batched_cycles(base_cyc) if len(base_cyc) else base_cyc

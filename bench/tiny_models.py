@@ -22,9 +22,12 @@ def train_tokenizer(vocab_size: int = 512, max_files: int = 40):
 
 
 def build_tiny_llama(folder: str | Path, vocab_size: int = 512, hidden: int = 64, layers: int = 4, heads: int = 4,
-                     kv_heads: int = 2, seed: int = 0, arch: str = "llama") -> Path:
+                     kv_heads: int = 2, seed: int = 0, arch: str = "llama", mtp: bool = False) -> Path:
     """A random-weight Llama (or Qwen2/Qwen3) in the Hugging Face layout: config.json,
-    model.safetensors, tokenizer.json. Returns the folder."""
+    model.safetensors, tokenizer.json. mtp (qwen2 only) adds one random multi-token-prediction
+    layer in Xiaomi MiMo's layout and marks the config as MiMo. Returns the folder."""
+    if mtp and arch != "qwen2":
+        raise ValueError("mtp=True builds a MiMo-layout checkpoint, which is Qwen2-based: use arch='qwen2'")
     import torch
     import transformers
 
@@ -48,6 +51,34 @@ def build_tiny_llama(folder: str | Path, vocab_size: int = 512, hidden: int = 64
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     model.save_pretrained(str(folder), safe_serialization=True)
+    if mtp:
+        _add_mtp_layer(folder, config, seed)
     (folder / "specsweep_tiny.json").write_text(json.dumps({"built_by": "specsweep.bench.tiny_models", "arch": arch,
                                                             "random_weights": True, "seed": seed}))
     return folder
+
+
+def _add_mtp_layer(folder: Path, config, seed: int):
+    """One MTP layer as MiMo ships it: model.mtp_layers.0.{token_layernorm, hidden_layernorm,
+    input_proj, a Qwen2 decoder layer, final_layernorm}; config num_nextn_predict_layers = 1."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    H, I = config.hidden_size, config.intermediate_size
+    d = H // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    g = torch.Generator().manual_seed(seed + 1)
+    p = "model.mtp_layers.0."
+    shapes = {"input_proj.weight": (H, 2 * H), "self_attn.q_proj.weight": (q, H), "self_attn.q_proj.bias": (q,),
+              "self_attn.k_proj.weight": (kv, H), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.weight": (kv, H),
+              "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (H, q), "mlp.gate_proj.weight": (I, H),
+              "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+    state = load_file(str(folder / "model.safetensors"))
+    for name, shape in shapes.items():
+        state[p + name] = torch.randn(shape, generator=g) * 0.15
+    for norm in ("token_layernorm", "hidden_layernorm", "input_layernorm", "post_attention_layernorm", "final_layernorm"):
+        state[f"{p}{norm}.weight"] = torch.ones(H)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))

@@ -19,7 +19,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from .backend import instantiate_backend
-from .ngram import acceptance_lengths_from_predictions, ngram_lookup
+from .ngram import acceptance_lengths_from_chains, acceptance_lengths_from_predictions, ngram_lookup
 
 NGRAM_KEYS = ("min_ngram", "max_ngram", "prefer_recent", "min_hits")
 
@@ -87,7 +87,11 @@ def build_traces(job_dir: Path, methods: list[str], k: int | None = None) -> tup
         preds, notes[name] = got
         for r, p in zip(rows, preds):
             P = len(r["prompt_token_ids"])
-            acc = acceptance_lengths_from_predictions(r["generated_token_ids"], p[P : P + len(r["generated_token_ids"])], k)
+            G = len(r["generated_token_ids"])
+            if np.ndim(p) == 2:  # per position, a k-token chain (heads that draft from their own drafts)
+                acc = acceptance_lengths_from_chains(r["generated_token_ids"], np.asarray(p)[P : P + G], k)
+            else:
+                acc = acceptance_lengths_from_predictions(r["generated_token_ids"], p[P : P + G], k)
             r[f"acc_{name}"] = {"acc_len": acc.tolist()}
     return rows, {"k": k, "notes": notes, "job": job_dir.name}
 
@@ -95,7 +99,7 @@ def build_traces(job_dir: Path, methods: list[str], k: int | None = None) -> tup
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specsweep-trace", description=__doc__.split("\n\n")[0])
     ap.add_argument("job_dir", help="a job folder: results/<sweep>/<job>")
-    ap.add_argument("--methods", nargs="+", default=["ngram"], help="ngram, draft_model, layer_skip (default: ngram)")
+    ap.add_argument("--methods", nargs="+", default=["ngram"], help="ngram, draft_model, layer_skip, eagle, eagle3, p_eagle, mtp (default: ngram)")
     ap.add_argument("--k", type=int, help="draft length (default: the job's num_speculative_tokens)")
     ap.add_argument("--out", help="output JSONL (default: <job_dir>/traces.jsonl)")
     a = ap.parse_args(argv)

@@ -20,3 +20,18 @@ def tiny_llama(tmp_path_factory):
     from bench.tiny_models import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def trained_gemma_head(tmp_path_factory):
+    """A small EAGLE-3 head for the default model, trained here by specsweep-train-eagle on a
+    short budget (about two minutes): (folder, training report)."""
+    import json
+
+    from backends.native.train_eagle import main
+
+    out = tmp_path_factory.mktemp("eagle3_gemma")
+    rc = main(["--out", str(out), "--workloads", "code_edit", "code_gen", "chat", "--prompts-per-workload", "4",
+               "--max-new-tokens", "48", "--minutes", "1.5", "--draft-vocab", "8192", "--eval-prompts", "2"])
+    assert rc == 0
+    return out, json.loads((out / "specsweep_train.json").read_text())

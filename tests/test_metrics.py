@@ -97,3 +97,9 @@ def test_batched_cycles_counts_a_batched_cycle_once():
                        "t_other": [0.0, 0.0, 0.0]})
     b = metrics.batched_cycles(df)
     assert b.kv_tokens.tolist() == [30, 11] and b.kmax.tolist() == [3, 2] and b.t_verify.tolist() == [2.0, 3.0]
+
+
+def test_by_draft_source_shares_and_acceptance():
+    got = metrics.by_draft_source(["ngram", "neural", "ngram", None], [4, 4, 2, 0], [4, 1, 0, 0])
+    assert got == {"ngram": {"cycle_share": 2 / 3, "acceptance_rate": 4 / 6},
+                   "neural": {"cycle_share": 1 / 3, "acceptance_rate": 0.25}}

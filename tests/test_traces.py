@@ -8,7 +8,7 @@ import pytest
 
 from backends.native import NativeBackend
 from bench.backend import Sampling
-from bench.ngram import acceptance_lengths_from_predictions
+from bench.ngram import acceptance_lengths_from_chains, acceptance_lengths_from_predictions
 from bench.traces import ngram_acc_len
 
 PROMPTS = ["def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x + 2\n\n\ndef h(x):\n",
@@ -74,3 +74,10 @@ def test_trace_command_on_a_job(tmp_path, tiny_llama):
     assert load_traces(out)[0].acc["ngram"].min() >= 1
     r = subprocess.run([sys.executable, "-m", "bench.traces", str(tmp_path), "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 2 and "not a completed job folder" in r.stderr
+
+
+def test_acceptance_lengths_from_chains_by_hand():
+    gen = [5, 6, 7, 8, 9]
+    chains = [[-1, -1], [6, 7], [7, 0], [0, 9], [9, 1]]  # chains[t]: drafts for gen[t], gen[t+1]
+    # i=0: chain[1] = [6, 7] both right -> 3; i=1: [7, 0] -> 2; i=2: [0, 9] -> 1; i=3: [9] -> 2; i=4 -> 1
+    assert acceptance_lengths_from_chains(gen, chains, k=2).tolist() == [3, 2, 1, 2, 1]

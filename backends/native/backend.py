@@ -8,13 +8,15 @@ import torch
 
 from bench.backend import Backend, BatchOutput, RequestOutput, Sampling
 
-from .drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
+from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
+from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
 from .loading import load_model
 from .model import linear
 from .sampling import SamplingParams
 
-METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip")
+METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined")
+NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp", "draft_model", "layer_skip")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
 
 
@@ -92,7 +94,42 @@ class NativeBackend(Backend):
                                  f"indices in 0..{n_layers - 1}")
             keep = [i for i in range(n_layers) if i not in skip]
             return LayerSkipDrafter(self.model, k, keep, f"self-speculation skipping layers {skip} of {n_layers}{vocab_note}", vocab)
+        if name in ("eagle", "eagle3", "p_eagle"):
+            return HeadDrafter(self._load_head(name, m.get("head_path")), self.model, k, self._head_label)
+        if name == "mtp":
+            if not self.resolved.is_dir():
+                raise ValueError(f"method mtp needs a checkpoint that carries multi-token-prediction layers (a Hugging Face "
+                                 f"folder in the MiMo layout); {self.model_path!r} is a GGUF file without them")
+            head = load_mtp_head(self.resolved, self.args, self.model.embed.weight.dtype, self.cfg.device)
+            return HeadDrafter(head, self.model, k, f"MTP layer 0 of {self.resolved.name}, chained for {k} positions")
+        if name == "combined":
+            neural = m.get("neural", "eagle3")
+            if neural not in NEURAL_FOR_COMBINED or neural in ("draft_model", "layer_skip"):
+                raise ValueError(f"method.neural={neural!r} is not valid for combined; use one of eagle, eagle3, p_eagle, mtp")
+            inner = self._make_drafter(neural, {**m, "name": neural})
+            ngram = NgramDrafter(k, m.get("min_ngram", 1), m.get("max_ngram", 3), m.get("prefer_recent", True), m.get("min_hits", 1))
+            min_match = m.get("min_match", 1)
+            return CombinedDrafter(ngram, inner, min_match,
+                                   f"n-gram when it matches >= {min_match} token(s), else {inner.label}")
         raise AssertionError(name)
+
+    def _load_head(self, name: str, head_path: str | None):
+        kind = "eagle" if name == "eagle" else "eagle3"
+        if head_path is None:
+            if name == "eagle":
+                raise ValueError("method eagle needs method.head_path: a folder with an EAGLE head for this model")
+            head_path = default_head_dir(self.model_path, name)
+            if not head_path.exists():
+                raise FileNotFoundError(
+                    f"no {name} head for model {self.model_path!r} at {head_path}; train one with "
+                    f"`specsweep-train-eagle --model {self.model_path}{' --parallel' if name == 'p_eagle' else ''}` "
+                    "or pass method.head_path=FOLDER")
+        dtype = self.model.embed.weight.dtype
+        head = load_head(head_path, self.model, self.args, kind, parallel=name == "p_eagle", dtype=dtype, device=self.cfg.device)
+        info = head.info(str(head_path))
+        self._head_label = (f"{'P-EAGLE' if info.parallel else kind.upper()} head {head_path} (draft vocabulary "
+                            f"{info.draft_vocab}, target features {list(info.capture)})")
+        return head
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -112,6 +149,10 @@ class NativeBackend(Backend):
     @torch.inference_mode()
     def draft_predictions(self, sequences):
         d = self.drafter
+        if isinstance(d, HeadDrafter):
+            return self._head_chains(d.head, sequences), (
+                "exact: the head's k-token chain at every position, teacher-forced over the true prefix by the "
+                "unrolled forward that the engine's drafts are tested against")
         if isinstance(d, ModelDrafter):
             model, layers, note = d.model, None, "exact: the draft keeps its own cache, so it only ever sees the true prefix"
         elif isinstance(d, LayerSkipDrafter):
@@ -134,6 +175,25 @@ class NativeBackend(Backend):
                 pred += linear(h[s : min(s + 64, len(seq) - 1)], w).argmax(-1).tolist()
             out.append(pred)
         return out, note
+
+    def _head_chains(self, head, sequences):
+        """Per sequence, a [len, k] array: row t is the chain the head drafts for tokens t, t+1, ...
+        given the true prefix before t (rows 0 and 1 have no anchor and hold -1)."""
+        from .train_eagle import target_pass, unrolled
+
+        k, out = self.k, []
+        for seq in sequences:
+            n = len(seq)
+            feats, _ = target_pass(self.model, seq, head.capture)
+            t = torch.tensor(seq, device=self.cfg.device)
+            N = n - 1
+            idx = (torch.arange(N)[:, None] + torch.arange(2, k + 1)[None]).clamp(max=n - 1)  # step j feeds token p + 1 + j
+            outs = unrolled(head, self.model, t[1:][None], feats[None, :N], t[idx][None], k)
+            chain = torch.stack([head.to_target_ids(head.logits(self.model, o)[0].argmax(-1)) for o in outs], 1)
+            rows = torch.full((n, k), -1, dtype=torch.long)
+            rows[2:] = chain[: n - 2].cpu()  # the anchor p drafts from position p + 2 on
+            out.append(rows.numpy())
+        return out
 
     def describe(self) -> dict:
         d = {"engine": "specsweep-native", "torch": torch.__version__, "dtype": self.cfg.dtype, "device": self.cfg.device,

@@ -30,6 +30,7 @@ def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None):
 class Proposal:
     tokens: list[list[int]]  # per active row, 0..k tokens
     probs: list[torch.Tensor | None]  # per row [len, V] draft probabilities, None = deterministic
+    sources: list[str] | None = None  # per row, which drafter proposed (combined methods)
 
 
 class NgramDrafter:
@@ -48,7 +49,7 @@ class NgramDrafter:
         self.k, self.min_n, self.max_n = k, min_ngram, max_ngram
         self.prefer_recent, self.min_hits = prefer_recent, min_hits
 
-    def prefill(self, rows, prompts):
+    def prefill(self, row, prompt, features=None):
         pass
 
     def lookup(self, seq: list[int]) -> list[int]:
@@ -58,7 +59,7 @@ class NgramDrafter:
         toks = [self.lookup(s) for s in seqs]
         return Proposal(toks, [None] * len(toks))
 
-    def accepted(self, rows, old_lens, n_accepted):
+    def accepted(self, rows, old_lens, n_accepted, features=None):
         pass
 
     def release(self, row):
@@ -81,7 +82,7 @@ class ModelDrafter:
     def setup(self, max_batch: int, max_len: int):
         self.model.setup_cache(max_batch, max_len)
 
-    def prefill(self, row: int, prompt: list[int]):
+    def prefill(self, row: int, prompt: list[int], features=None):
         dev = self.model.embed.weight.device
         toks = torch.tensor([prompt], device=dev)
         pos = torch.arange(len(prompt), device=dev)[None]
@@ -111,7 +112,7 @@ class ModelDrafter:
             self.draft_len[r] = len(s) + self.k - 1  # d_1..d_{k-1} were fed
         return Proposal(drafts, probs)
 
-    def accepted(self, rows, old_lens, n_accepted):
+    def accepted(self, rows, old_lens, n_accepted, features=None):
         for r, n, a in zip(rows, old_lens, n_accepted):
             self.draft_len[r] = min(self.draft_len[r], n + a)
 
@@ -127,7 +128,7 @@ class LayerSkipDrafter:
     def __init__(self, target: Transformer, k: int, layers: list[int], label: str, vocab_limit: int | None = None):
         self.model, self.k, self.layers, self.label, self.vocab_limit = target, k, layers, label, vocab_limit
 
-    def prefill(self, row, prompt):
+    def prefill(self, row, prompt, features=None):
         pass
 
     def propose(self, rows, seqs, sp, gen) -> Proposal:
@@ -145,8 +146,135 @@ class LayerSkipDrafter:
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
         return Proposal(drafts, probs)
 
-    def accepted(self, rows, old_lens, n_accepted):
+    def accepted(self, rows, old_lens, n_accepted, features=None):
         pass
 
     def release(self, row):
         pass
+
+
+def _full_vocab_probs(probs: torch.Tensor | None, head, vocab_size: int):
+    """Draft-vocabulary probabilities [N, V'] as target-vocabulary ones [N, V] (zero off the map)."""
+    if probs is None or probs.shape[-1] == vocab_size:
+        return probs
+    full = probs.new_zeros(*probs.shape[:-1], vocab_size)
+    return full.index_copy_(-1, head.d2t, probs)
+
+
+class HeadDrafter:
+    """EAGLE / EAGLE-3 / MTP heads drafting a chain of k tokens (k forwards of the head), or a
+    P-EAGLE head drafting all k in one forward. The head reads the target's hidden states, which
+    the engine hands over for every position the target processes (prefill and verify); per row,
+    head_len counts the head-cache entries that are final and pending holds the target features
+    not yet fed. A cycle feeds that tail together with its first draft step."""
+
+    def __init__(self, head, target: Transformer, k: int, label: str):
+        self.head, self.target, self.k, self.label = head, target, k, label
+        self.capture = head.capture
+        self.head_len: dict[int, int] = {}
+        self.pending: dict[int, list[torch.Tensor]] = {}
+
+    def setup(self, max_batch: int, max_len: int):
+        # Rows are right-padded to the longest tail, so padding can run past a row's own length.
+        self.head.setup_cache(max_batch, 2 * max_len + self.k + 2)
+
+    def prefill(self, row, prompt, features=None):
+        self.head_len[row] = 0
+        self.pending[row] = [features]
+
+    def _select(self, logits, sp, gen):
+        ids, probs = select(logits, sp, gen)
+        return self.head.to_target_ids(ids), _full_vocab_probs(probs, self.head, self.target.args.vocab_size)
+
+    def propose(self, rows, seqs, sp, gen) -> Proposal:
+        dev = self.target.embed.weight.device
+        head, k = self.head, self.k
+        extra = k - 1 if head.parallel else 0  # P-EAGLE: k - 1 mask queries after the bonus token
+        tails = []
+        for r, s in zip(rows, seqs):
+            feats = torch.cat(self.pending[r])
+            start = self.head_len[r]
+            assert len(feats) == len(s) - 1 - start, (len(feats), len(s), start)
+            tails.append((start, s[start + 1 :], feats))
+        T = max(len(t[1]) for t in tails) + extra
+        toks, pos, fts, need = [], [], [], []
+        for start, tk, feats in tails:
+            n = len(tk)
+            if extra:
+                tk = tk + [head.mask_token_id] * extra
+                feats = torch.cat((feats, head.mask_hidden.expand(extra, -1).to(feats.dtype)))
+            pad = T - len(tk)
+            toks.append(tk + [tk[-1]] * pad)
+            pos.append(list(range(start, start + T)))  # padding lies beyond the row: later steps overwrite it
+            fts.append(torch.cat((feats, feats[-1:].expand(pad, -1))) if pad else feats)
+            need.append([False] * (n - 1) + [True] * (1 + extra) + [False] * pad)
+        rows_t = torch.tensor(rows, device=dev)
+        pos_t = torch.tensor(pos, device=dev)
+        need_t = torch.tensor(need, device=dev)
+        logits, nxt = head(self.target, torch.tensor(toks, device=dev), torch.stack(fts), pos_t, rows_t, need_t)
+        if extra:
+            ids, probs = self._select(logits, sp, gen)
+            drafts = ids.view(len(rows), k).tolist()
+            qs = [None] * len(rows) if probs is None else list(probs.view(len(rows), k, -1).unbind(0))
+        else:
+            last = need_t.float().argmax(1)  # each row's last real entry
+            h = nxt[torch.arange(len(rows)), last][:, None]
+            p = pos_t[torch.arange(len(rows)), last][:, None]
+            out_ids, out_probs = [], []
+            for j in range(k):
+                ids, probs = self._select(logits, sp, gen)
+                out_ids.append(ids)
+                out_probs.append(probs)
+                if j == k - 1:
+                    break
+                p = p + 1
+                logits, h = head(self.target, ids[:, None], h, p, rows_t, torch.ones_like(p, dtype=torch.bool))
+            drafts = torch.stack(out_ids, 1).tolist()
+            qs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
+        for r, s in zip(rows, seqs):
+            self.head_len[r] = len(s) - 1
+            self.pending[r] = []
+        return Proposal(drafts, qs)
+
+    def accepted(self, rows, old_lens, n_accepted, features=None):
+        for i, (r, a) in enumerate(zip(rows, n_accepted)):
+            self.pending[r].append(features[i, : a + 1])
+
+    def release(self, row):
+        self.head_len.pop(row, None)
+        self.pending.pop(row, None)
+
+
+class CombinedDrafter:
+    """n-gram where the context offers a match of at least min_match tokens, the neural head
+    otherwise. The head still reads every position's target features, so its cache catches up
+    on the rows where n-gram drafted (one longer tail the next time it drafts)."""
+
+    def __init__(self, ngram: NgramDrafter, neural: HeadDrafter, min_match: int, label: str):
+        if min_match < 1:
+            raise ValueError(f"method.min_match={min_match} is not valid; use 1 or more draft tokens")
+        self.ngram, self.neural, self.min_match, self.label = ngram, neural, min_match, label
+        self.k, self.capture = neural.k, neural.capture
+
+    def setup(self, max_batch, max_len):
+        self.neural.setup(max_batch, max_len)
+
+    def prefill(self, row, prompt, features=None):
+        self.neural.prefill(row, prompt, features)
+
+    def propose(self, rows, seqs, sp, gen) -> Proposal:
+        ng = [self.ngram.lookup(s) for s in seqs]
+        use = [len(t) >= self.min_match for t in ng]
+        tokens, probs = list(ng), [None] * len(rows)
+        sub = [i for i, u in enumerate(use) if not u]
+        if sub:
+            prop = self.neural.propose([rows[i] for i in sub], [seqs[i] for i in sub], sp, gen)
+            for i, t, q in zip(sub, prop.tokens, prop.probs):
+                tokens[i], probs[i] = t, q
+        return Proposal(tokens, probs, ["ngram" if u else "neural" for u in use])
+
+    def accepted(self, rows, old_lens, n_accepted, features=None):
+        self.neural.accepted(rows, old_lens, n_accepted, features)
+
+    def release(self, row):
+        self.neural.release(row)

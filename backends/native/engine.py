@@ -56,6 +56,7 @@ def generate(
         model.setup_cache(max(B, model.max_batch), max(max_len, model.max_len))
     if drafter is not None and hasattr(drafter, "setup"):
         drafter.setup(B, max_len)
+    capture = getattr(drafter, "capture", None)  # feature-based heads read the target's hidden states
     out = [RowOutput(list(p)) for p in prompts]
     seqs = [list(p) for p in prompts]  # prompt + generated; the last token is not yet in the cache
     cycles: list[dict] = []
@@ -66,10 +67,14 @@ def generate(
         toks = torch.tensor([p], device=dev)
         last = torch.zeros_like(toks, dtype=torch.bool)
         last[0, -1] = True
-        logits = model(toks, torch.arange(len(p), device=dev)[None], rows=torch.tensor([b], device=dev), logits_for=last)
+        feats = None
+        logits = model(toks, torch.arange(len(p), device=dev)[None], rows=torch.tensor([b], device=dev), logits_for=last,
+                       capture=capture)
+        if capture:
+            logits, feats = logits
         tok, _ = select(logits, sp, gen)
         if drafter is not None:
-            drafter.prefill(b, p)
+            drafter.prefill(b, p, None if feats is None else feats[0])
         seqs[b].append(int(tok))
         out[b].tokens.append(int(tok))
         if record_margins:
@@ -85,9 +90,9 @@ def generate(
         t0 = _clock(dev)
         if drafter is not None:
             prop = drafter.propose(active, [seqs[b] for b in active], sp, gen)
-            drafts, qs = prop.tokens, prop.probs
+            drafts, qs, sources = prop.tokens, prop.probs, prop.sources
         else:
-            drafts, qs = [[] for _ in active], [None] * len(active)
+            drafts, qs, sources = [[] for _ in active], [None] * len(active), None
         t1 = _clock(dev)
         K = max(len(d) for d in drafts)
         toks, pos, need = [], [], []
@@ -99,7 +104,10 @@ def generate(
             pos.append(list(range(n - 1, n + K)))
         need_t = torch.tensor(need, device=dev)
         logits = model(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev),
-                       rows=torch.tensor(active, device=dev), logits_for=need_t)
+                       rows=torch.tensor(active, device=dev), logits_for=need_t, capture=capture)
+        feats = None
+        if capture:
+            logits, feats = logits
         t2 = _clock(dev)
         logits = logits.float().cpu() if logits.device.type != "cpu" else logits
         per_row = torch.split(logits, [len(d) + 1 for d in drafts])
@@ -128,16 +136,18 @@ def generate(
             if out[b].finished_by != "eos" and len(out[b].tokens) < max_new_tokens:
                 still.append(b)
         if drafter is not None:
-            drafter.accepted(active, old_lens, accepted)
+            drafter.accepted(active, old_lens, accepted, feats)
         t3 = _clock(dev)
         for b, n_emit in zip(active, emitted_counts):
             out[b].emit_times.append(t3 - t_start)
             if b not in still and drafter is not None:
                 drafter.release(b)
         if trace:
-            for b, d, a, n_emit, n in zip(active, drafts, accepted, emitted_counts, old_lens):
+            for i, (b, d, a, n_emit, n) in enumerate(zip(active, drafts, accepted, emitted_counts, old_lens)):
                 cycles.append(dict(cycle=cycle, row=b, drafted=len(d), accepted=a, emitted=n_emit, kv_len=n - 1,
                                    batch_rows=len(active), t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2))
+                if sources:
+                    cycles[-1]["draft_source"] = sources[i]
         active = still
         cycle += 1
     return out, cycles, _clock(dev) - t_start

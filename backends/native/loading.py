@@ -52,7 +52,8 @@ def resolve_model_path(path: str) -> Path:
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
     mt = cfg.get("model_type", "")
-    arch = {"gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}.get(mt)
+    arch = {"gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
+            "mimo": "qwen2"}.get(mt)  # MiMo: Qwen2 plus multi-token-prediction layers (read by method mtp)
     if arch is None:
         raise ValueError(f"unsupported architecture {mt!r} (config.json model_type); the native engine supports "
                          "gemma3 / gemma3_text, llama (and mistral), qwen2, qwen3")

@@ -119,6 +119,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def rope_cos_sin(pos: Tensor, inv_freq: Tensor, dtype) -> tuple[Tensor, Tensor]:
+    freqs = pos[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def causal_mask(pos: Tensor, kv_len: int, window: int | None = None) -> Tensor:
+    """mask[b, 0, t, j]: may the query at pos[b, t] attend to cache slot j of row b?"""
+    j = torch.arange(kv_len, device=pos.device)
+    p = pos[:, None, :, None]
+    m = j <= p
+    return m & (p - j < window) if window else m
+
+
 class KVCache:
     """Static cache, [batch, max_len, kv_heads, head_dim] per layer."""
 
@@ -139,19 +153,22 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, sliding: bool):
+    def __init__(self, args: ModelArgs, sliding: bool, in_dim: int | None = None):
         super().__init__()
         self.args, self.sliding = args, sliding
         h, kv, d = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = Linear(args.dim, h * d, bias=args.qkv_bias)
-        self.wk = Linear(args.dim, kv * d, bias=args.qkv_bias)
-        self.wv = Linear(args.dim, kv * d, bias=args.qkv_bias)
+        in_dim = in_dim or args.dim  # EAGLE-3's first draft layer attends over [embedding, hidden]: 2 * dim
+        self.wq = Linear(in_dim, h * d, bias=args.qkv_bias)
+        self.wk = Linear(in_dim, kv * d, bias=args.qkv_bias)
+        self.wv = Linear(in_dim, kv * d, bias=args.qkv_bias)
         self.wo = Linear(h * d, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.norm_eps)
             self.k_norm = RMSNorm(d, args.norm_eps)
 
-    def forward(self, x, cache, rows, pos, cos, sin, mask, kv_len):
+    def project(self, x, cos, sin):
+        """q [B, H, T, D] and k, v [B, T, kv, D], rotated: shared by the cached forward and by
+        draft-head training, which attends over keys of its own."""
         a = self.args
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, a.n_heads, a.head_dim)
@@ -161,6 +178,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x, cache, rows, pos, cos, sin, mask, kv_len):
+        a = self.args
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         keys, values = cache.update(rows, pos, k, v, kv_len)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, n_kv, L, D]
         y = F.scaled_dot_product_attention(
@@ -242,19 +265,18 @@ class Transformer(nn.Module):
         a = self.args
         self.caches = [KVCache(max_batch, max_len, a.n_kv_heads, a.head_dim, p.dtype, p.device) for _ in self.layers]
 
-    def _rope(self, pos: Tensor, inv_freq: Tensor):
-        freqs = pos[..., None].float() * inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        dt = self.embed.weight.dtype
-        return emb.cos().to(dt), emb.sin().to(dt)
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        if self.args.embed_scale != 1.0:
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        return x
 
-    def _masks(self, pos: Tensor, kv_len: int):
-        # mask[b, 0, t, j]: may the query at pos[b, t] attend to cache slot j of row b?
-        j = torch.arange(kv_len, device=pos.device)
-        p = pos[:, None, :, None]
-        full = j <= p
-        sliding = full & (p - j < self.args.sliding_window) if self.args.sliding_window else full
-        return {False: full, True: sliding}
+    def head_logits(self, x: Tensor, vocab_limit: int | None = None) -> Tensor:
+        """The output head (and Gemma's logit soft-capping) over [N, dim] normed hidden states."""
+        w = self.output_weight if vocab_limit is None else self.output_weight[:vocab_limit]
+        logits = linear(x, w)
+        cap = self.args.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(
         self,
@@ -265,10 +287,14 @@ class Transformer(nn.Module):
         logits_for: Tensor | None = None,
         return_hidden: bool = False,
         vocab_limit: int | None = None,
+        capture: tuple | None = None,
     ):
         """tokens, pos: [B, T]. rows: cache rows [B] (default 0..B-1). layers: run only these
         (layer skipping and early exit); logits_for: [B, T] bool, compute logits only there;
-        vocab_limit: logits for the first vocab_limit token ids only (cheap drafting heads)."""
+        vocab_limit: logits for the first vocab_limit token ids only (cheap drafting heads).
+        capture: hidden states a feature-based draft head reads, returned as (logits, [B, T, F]):
+        an int i is the hidden state entering layer i (n_layers: the last layer's output, before
+        the final norm), "norm" the final normed hidden state; several are concatenated."""
         B, T = tokens.shape
         if rows is None:
             rows = torch.arange(B, device=tokens.device)
@@ -277,18 +303,23 @@ class Transformer(nn.Module):
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({self.max_len} slots)")
         a = self.args
-        x = self.embed(tokens)
-        if a.embed_scale != 1.0:
-            x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
-        rope = {False: self._rope(pos, self.inv_freq), True: self._rope(pos, self.inv_freq_local)}
-        masks = self._masks(pos, kv_len)
+        x = self.embed_tokens(tokens)
+        dt = x.dtype
+        rope = {False: rope_cos_sin(pos, self.inv_freq, dt), True: rope_cos_sin(pos, self.inv_freq_local, dt)}
+        full = causal_mask(pos, kv_len)
+        masks = {False: full, True: causal_mask(pos, kv_len, a.sliding_window) if a.sliding_window else full}
+        taps = {}
         for i in range(a.n_layers) if layers is None else layers:
+            taps[i] = x
             x = self.layers[i](x, self.caches[i], rows2, pos, rope, masks, kv_len)
-        hidden = x
+        hidden = taps[a.n_layers] = x
         x = self.norm(x)
+        if capture:
+            taps["norm"] = x
+            feats = torch.cat([taps[c] for c in capture], dim=-1)
         if logits_for is not None:
             x = x[logits_for]  # [N, dim]: only the positions whose logits are needed
-        logits = linear(x, self.output_weight if vocab_limit is None else self.output_weight[:vocab_limit])
-        if a.final_logit_softcap:
-            logits = torch.tanh(logits / a.final_logit_softcap) * a.final_logit_softcap
+        logits = self.head_logits(x, vocab_limit)
+        if capture:
+            return logits, feats
         return (logits, hidden) if return_hidden else logits
