@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix")
+METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -115,16 +115,18 @@ def speculative_config(method: dict, k: int) -> dict | None:
         raise ValueError(f"method {name!r} is not supported by backend vllm; it supports {', '.join(METHODS)}")
     if name == "autoregressive":
         return None
-    cfg = {"method": name, "num_speculative_tokens": k}
+    cfg = {"method": "eagle3" if name == "p_eagle" else name, "num_speculative_tokens": k}
     if name == "ngram":
         cfg.update(prompt_lookup_min=method.get("min_ngram", 1), prompt_lookup_max=method.get("max_ngram", 3))
-    elif name in ("draft_model", "eagle", "eagle3"):
+    elif name in ("draft_model", "eagle", "eagle3", "p_eagle"):
         key = "draft_path" if name == "draft_model" else "head_path"
         if not method.get(key):
             raise ValueError(f"method {name} on backend vllm needs method.{key}: a folder vLLM can load "
                              f"({'a draft model' if name == 'draft_model' else 'an ' + name.upper() + ' head'} in the "
                              "Hugging Face layout)")
         cfg["model"] = str(Path(method[key]).expanduser())
+        if name == "p_eagle":
+            cfg["parallel_drafting"] = True  # vLLM's P-EAGLE: an EAGLE-3 head drafting k tokens in one pass
     return cfg
 
 
@@ -242,11 +244,9 @@ class VLLMBackend(Backend):
                               startup_timeout_s)
         self.method, self.k = dict(method), num_speculative_tokens
         self.spec = speculative_config(self.method, self.k)
-        path = Path(str(model["path"])).expanduser()
-        if not (path.is_dir() and (path / "config.json").exists()):
-            raise ValueError(f"backend vllm needs model.path to be a Hugging Face folder (config.json + weights) that "
-                             f"vLLM can load; got {model['path']!r}")
-        self.model_path = str(path)
+        from backends.native.loading import export_hf_folder  # GGUF (the default model) -> HF folder, once
+
+        self.model_path = str(export_hf_folder(str(model["path"])))
         self.python = vllm_python(self.cfg.python)
         self.logdir = Path.cwd()
 

@@ -86,8 +86,10 @@ class Backend(abc.ABC):
     def draft_predictions(self, sequences: list[list[int]]) -> tuple[list[list[int]], str] | None:
         """Teacher forcing, for acceptance traces: for each token sequence, the configured drafter's
         greedy prediction of every token given the true prefix (index t predicts sequences[t];
-        index 0 is unused), and a note on how exact that is for this drafter. None when the engine
-        or method cannot; the trace builder then says the method is unavailable."""
+        index 0 is unused), or, for drafters whose later drafts depend on their own earlier ones
+        (EAGLE heads), a [len, k] array whose row t is the k-token chain drafted for tokens t, t+1,
+        ...; and a note on how exact that is. None when the engine or method cannot; the trace
+        builder then says the method is unavailable."""
         return None
 
     def set_artifact_dir(self, path) -> None:

@@ -39,7 +39,7 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
         g["job"] = s.job
         # A combined method's cycles mix drafters (draft_source per cycle): its verify passes count
         # for the target fit, but its drafting time fits no single drafter.
-        g["mixed_drafters"] = "draft_source" in c.columns and c.draft_source.nunique() > 1
+        g["mixed_drafters"] = "draft_source" in c.columns
         frames.append(g)
     if not frames:
         raise ValueError(f"{sweep_dir}: no cycles.parquet in completed jobs")

@@ -41,9 +41,9 @@ def _eagle3(args, parallel=False, vocab=300, std=0.3, seed=0):
     return new_eagle3_head(args, ids, parallel=parallel, mask_token_id=3, init_std=std, seed=seed)
 
 
-def _write_eagle1(folder, args, seed=0):
-    """An EAGLE (v1) head written by hand in yuhuili/EAGLE's layout: fc with bias over
-    [embedding, feature], layers.0.* without input_layernorm."""
+def _write_eagle1(folder, args, seed=0, fc_bias=True):
+    """An EAGLE (v1) head written by hand in yuhuili/EAGLE's layout: fc (with or without bias, as
+    vLLM reads it) over [embedding, feature], layers.0.* without input_layernorm."""
     g = torch.Generator().manual_seed(seed)
     H, I = args.dim, args.intermediate_size
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
@@ -51,9 +51,9 @@ def _write_eagle1(folder, args, seed=0):
               "layers.0.self_attn.k_proj.weight": (kv, H), "layers.0.self_attn.v_proj.weight": (kv, H),
               "layers.0.self_attn.o_proj.weight": (H, q), "layers.0.mlp.gate_proj.weight": (I, H),
               "layers.0.mlp.up_proj.weight": (I, H), "layers.0.mlp.down_proj.weight": (H, I)}
-    state = {k: torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
+    state = {k: torch.randn(s, generator=g) * 0.2 for k, s in shapes.items() if fc_bias or k != "fc.bias"}
     state["layers.0.post_attention_layernorm.weight"] = torch.ones(H)
-    folder.mkdir()
+    folder.mkdir(parents=True)
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,

@@ -5,12 +5,9 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-import torch
 
 from backends.native import NativeBackend
-from backends.native.heads import load_head
 from bench.backend import Sampling
 from bench.ngram import acceptance_lengths_from_chains
 

@@ -65,6 +65,31 @@ def test_eagle3_head_in_specsweeps_layout_runs_in_vllm(tiny64, tmp_path):
     assert spec.spec_counters.draft_tokens > 0
 
 
+@pytest.mark.parametrize("kind", ["eagle", "p_eagle"])
+def test_eagle_and_p_eagle_heads_run_in_vllm(tiny64, tmp_path, kind):
+    import torch
+
+    from backends.native.heads import new_eagle3_head, save_eagle3_head
+    from backends.native.loading import load_model
+    from test_heads import _write_eagle1  # tests/ is on sys.path (pytest rootdir-relative imports)
+
+    _, _, args, _ = load_model(str(tiny64))
+    if kind == "eagle":
+        head = _write_eagle1(tmp_path / "head", args, fc_bias=False)
+        cfg = json.loads((head / "config.json").read_text())
+        (head / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    else:
+        ids = torch.randperm(args.vocab_size, generator=torch.Generator().manual_seed(0))[:256]
+        head = save_eagle3_head(new_eagle3_head(args, ids, parallel=True, mask_token_id=0, init_std=0.05), tmp_path / "head")
+    b = VLLMBackend({"path": str(tiny64)}, {"name": kind, "head_path": str(head)}, num_speculative_tokens=3, **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    prompts = [b.tokenize(t) for t in TEXTS]
+    base = b.generate(prompts, Sampling(), 16, speculative=False)
+    spec = b.generate(prompts, Sampling(), 16, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    assert spec.spec_counters.draft_tokens > 0
+
+
 def test_ngram_job_through_the_harness(tiny64, tmp_path):
     before = _pids()
     r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=v", "backend=vllm",
@@ -102,7 +127,22 @@ def test_config_errors_name_what_is_valid(tiny64, tmp_path):
         speculative_config({"name": "eagle3"}, 3)
     with pytest.raises(ValueError, match="no vLLM in"):
         vllm_python(sys.executable if subprocess.run([sys.executable, "-c", "import vllm"]).returncode else "/bin/true")
-    with pytest.raises(ValueError, match="Hugging Face folder"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         VLLMBackend({"path": str(tmp_path / "x.gguf")}, {"name": "ngram"})
     with pytest.raises(ValueError, match="gpu_memory_utilization=2"):
         VLLMBackend({"path": str(tiny64)}, {"name": "ngram"}, gpu_memory_utilization=2)
+
+
+def test_ngram_on_the_default_gemma_model(tmp_path):
+    """The default model (its GGUF exported once to a Hugging Face folder) in vLLM with n-gram
+    drafting: drafts are made and accepted, and greedy output equals vLLM's own baseline."""
+    b = VLLMBackend({"path": "gemma3-270m"}, {"name": "ngram", "max_ngram": 3}, num_speculative_tokens=4, **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    text = "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return a + b + c\n\n\ndef add4(a, b, c, d):\n"
+    ids = [b.tokenize(text)]
+    base = b.generate(ids, Sampling(), 32, speculative=False)
+    spec = b.generate(ids, Sampling(), 32, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    c = spec.spec_counters
+    assert c.draft_tokens > 0 and c.accepted_tokens > 0
+    Worker.stop_all()

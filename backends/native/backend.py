@@ -95,7 +95,8 @@ class NativeBackend(Backend):
             keep = [i for i in range(n_layers) if i not in skip]
             return LayerSkipDrafter(self.model, k, keep, f"self-speculation skipping layers {skip} of {n_layers}{vocab_note}", vocab)
         if name in ("eagle", "eagle3", "p_eagle"):
-            return HeadDrafter(self._load_head(name, m.get("head_path")), self.model, k, self._head_label)
+            head, label = self._load_head(name, m.get("head_path"))
+            return HeadDrafter(head, self.model, k, label)
         if name == "mtp":
             if not self.resolved.is_dir():
                 raise ValueError(f"method mtp needs a checkpoint that carries multi-token-prediction layers (a Hugging Face "
@@ -127,9 +128,8 @@ class NativeBackend(Backend):
         dtype = self.model.embed.weight.dtype
         head = load_head(head_path, self.model, self.args, kind, parallel=name == "p_eagle", dtype=dtype, device=self.cfg.device)
         info = head.info(str(head_path))
-        self._head_label = (f"{'P-EAGLE' if info.parallel else kind.upper()} head {head_path} (draft vocabulary "
-                            f"{info.draft_vocab}, target features {list(info.capture)})")
-        return head
+        return head, (f"{'P-EAGLE' if info.parallel else kind.upper()} head {head_path} (draft vocabulary "
+                      f"{info.draft_vocab}, target features {list(info.capture)})")
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids

@@ -272,3 +272,55 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", progress=
     model = model.to(device=device, dtype=dtypes[dtype]).eval()
     model.requires_grad_(False)
     return model, Tokenizer.from_file(str(tok_file)), args, p
+
+
+def export_hf_folder(path: str, progress=print) -> Path:
+    """A Hugging Face folder (config.json, model.safetensors, tokenizer files) for a GGUF model,
+    written once beside its converted cache, for engines that load only that layout (vLLM).
+    An HF folder is returned as it is."""
+    p = resolve_model_path(path)
+    if p.is_dir():
+        return p
+    folder = convert_gguf(p, progress)
+    out = folder / "hf"
+    if (out / "done").exists():
+        return out
+    args = ModelArgs(**json.loads((folder / "args.json").read_text()))
+    inverse = {v: k for k, v in _hf_name_map(args).items()}
+    state = {}
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        if args.arch == "gemma3" and name.endswith("norm.weight"):
+            t = t - 1.0  # Gemma's RMSNorm multiplies by (1 + w); the cache holds the multiplier
+        state[inverse[name]] = t.contiguous()
+    out.mkdir(exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {"vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.intermediate_size,
+           "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+           "head_dim": args.head_dim, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+           "tie_word_embeddings": args.tie_embeddings, "bos_token_id": args.bos_token_id,
+           "eos_token_id": args.eos_token_ids[0] if len(args.eos_token_ids) == 1 else args.eos_token_ids,
+           "max_position_embeddings": 32768, "torch_dtype": "float32"}
+    if args.arch == "gemma3":
+        cfg.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+                   rope_local_base_freq=args.rope_local_theta, sliding_window=args.sliding_window,
+                   layer_types=["sliding_attention" if t == "sliding" else "full_attention" for t in args.layer_types],
+                   query_pre_attn_scalar=round(args.query_scale ** -2), final_logit_softcapping=args.final_logit_softcap,
+                   attn_logit_softcapping=None, pad_token_id=0)
+    else:
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[args.arch]
+        cfg.update(model_type=args.arch, architectures=[arch], hidden_act="silu")
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    import shutil
+
+    shutil.copy(folder / "tokenizer.json", out / "tokenizer.json")
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 32768}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for key, tid in (("bos_token", args.bos_token_id), ("eos_token", args.eos_token_ids[0] if args.eos_token_ids else None),
+                     ("pad_token", cfg.get("pad_token_id"))):
+        if tid is not None:
+            tc[key] = tok.id_to_token(tid)
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+    (out / "done").write_text(str(p))
+    return out

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .heads import DraftHead, default_head_dir, new_eagle3_head, save_eagle3_head
-from .model import causal_mask, rope_cos_sin  # noqa: F401  (causal_mask: the cached forward's rule, mirrored below)
+from .model import rope_cos_sin
 
 DEFAULT_WORKLOADS = ("code_edit", "code_gen", "chat", "summarization", "rag", "math", "translation")
 STEP_WEIGHT = 0.8  # EAGLE-3 weights the loss of unrolled step j by 0.8^j
