@@ -35,7 +35,7 @@ class VLLMConfig:
     dtype: str = "float32"
     max_model_len: int = 2048
     max_num_seqs: int = 8
-    gpu_memory_utilization: float = 0.1
+    gpu_memory_utilization: float = 0.25
     enforce_eager: bool = True
     startup_timeout_s: float = 900.0
 
@@ -238,7 +238,7 @@ class VLLMBackend(Backend):
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
                  dtype: str = "float32", max_model_len: int = 2048, max_num_seqs: int = 8,
-                 gpu_memory_utilization: float = 0.1, enforce_eager: bool = True, startup_timeout_s: float = 900.0,
+                 gpu_memory_utilization: float = 0.25, enforce_eager: bool = True, startup_timeout_s: float = 900.0,
                  **unused):
         self.cfg = VLLMConfig(python, dtype, max_model_len, max_num_seqs, gpu_memory_utilization, enforce_eager,
                               startup_timeout_s)

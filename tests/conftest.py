@@ -24,14 +24,15 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_gemma_head(tmp_path_factory):
-    """A small EAGLE-3 head for the default model, trained here by specsweep-train-eagle on a
-    short budget (about two minutes): (folder, training report)."""
+    """A small EAGLE-3 head for the default model, trained here by specsweep-train-eagle for a
+    fixed 150 steps (about two minutes with its data): (folder, training report)."""
     import json
 
     from backends.native.train_eagle import main
 
     out = tmp_path_factory.mktemp("eagle3_gemma")
     rc = main(["--out", str(out), "--workloads", "code_edit", "code_gen", "chat", "--prompts-per-workload", "4",
-               "--max-new-tokens", "48", "--minutes", "1.5", "--draft-vocab", "8192", "--eval-prompts", "2"])
+               "--max-new-tokens", "48", "--minutes", "10", "--max-steps", "150", "--draft-vocab", "8192",
+               "--eval-prompts", "2"])
     assert rc == 0
     return out, json.loads((out / "specsweep_train.json").read_text())

@@ -170,7 +170,8 @@ def sequence_batch(seq: Tensor, feats: Tensor, choice: Tensor, depth: int, t2d: 
     return tokens[None], f[None], st[None, :, : depth - 1] if depth > 1 else st[None, :, :0], lab[None]
 
 
-def train(head: DraftHead, target, data, depth: int, minutes: float, lr: float, seed: int, progress=None) -> dict:
+def train(head: DraftHead, target, data, depth: int, minutes: float, lr: float, seed: int, progress=None,
+          max_steps: int | None = None) -> dict:
     t2d = torch.full((target.args.vocab_size,), -100, dtype=torch.long)
     t2d[head.d2t] = torch.arange(head.draft_vocab)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -182,10 +183,13 @@ def train(head: DraftHead, target, data, depth: int, minutes: float, lr: float, 
     total_steps = None
     hist = []
     bar = progress(desc="training", unit="step") if progress else None
-    while time.monotonic() < deadline:
+    def done():
+        return time.monotonic() >= deadline or (max_steps is not None and step >= max_steps)
+
+    while not done():
         order = torch.randperm(len(data), generator=g).tolist()
         for i in order:
-            if time.monotonic() >= deadline:
+            if done():
                 break
             seq, feats, choice = data[i]
             tok, f, st, lab = sequence_batch(seq, feats, choice, depth, t2d)
@@ -198,9 +202,11 @@ def train(head: DraftHead, target, data, depth: int, minutes: float, lr: float, 
                 acc = (logits.argmax(-1) == lab[0, :, j])[ok].float().mean().item() if ok.any() else float("nan")
                 loss = loss + STEP_WEIGHT ** j * lj
                 stats.append(acc)
-            if total_steps is None and step == 2:
+            if total_steps is None and step == 2:  # the learning-rate schedule spans the budget
                 per_step = (time.monotonic() - t0) / 3
                 total_steps = max(10, int(minutes * 60 / per_step))
+                if max_steps is not None:
+                    total_steps = min(total_steps, max_steps)
             frac = step / total_steps if total_steps else 0.0
             warm = min(1.0, (step + 1) / 30)
             for group in opt.param_groups:
@@ -269,13 +275,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens the target generates per prompt")
     ap.add_argument("--depth", type=int, default=4, help="unrolled steps in training (the draft length it targets)")
     ap.add_argument("--minutes", type=float, default=15.0, help="training time budget (data building comes on top)")
+    ap.add_argument("--max-steps", type=int, help="stop after this many steps even within the budget (reproducible runs)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--eval-prompts", type=int, default=2, help="held-out prompts per workload for the acceptance check")
     a = ap.parse_args(argv)
-    for key in ("draft_vocab", "prompts_per_workload", "max_new_tokens", "depth"):
-        if getattr(a, key) < 1:
+    for key in ("draft_vocab", "prompts_per_workload", "max_new_tokens", "depth", "max_steps"):
+        if getattr(a, key) is not None and getattr(a, key) < 1:
             ap.error(f"--{key.replace('_', '-')}={getattr(a, key)} is not valid; use 1 or more")
     if a.minutes <= 0:
         ap.error(f"--minutes={a.minutes} is not valid; use a positive budget")
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
         head.lm_head.weight.copy_(model.output_weight[draft_ids])
         head.norm.weight.copy_(model.norm.weight)
     model.requires_grad_(False)
-    stats = train(head, model, data, a.depth, a.minutes, a.lr, a.seed, progress=progress)
+    stats = train(head, model, data, a.depth, a.minutes, a.lr, a.seed, progress=progress, max_steps=a.max_steps)
     head.eval().requires_grad_(False)
     with torch.inference_mode():
         random_head = new_eagle3_head(args, draft_ids, parallel=a.parallel, mask_token_id=mask_id, capture=capture, seed=a.seed)
