@@ -20,10 +20,7 @@ Every speculative method also gets --spec-draft-n-max k.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -35,6 +32,7 @@ from pathlib import Path
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
 from .llamacpp import resolve_gguf
+from .processes import die_with_parent, stop
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
@@ -89,14 +87,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent():
-    # Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Server:
     """One llama-server process."""
 
@@ -116,7 +106,7 @@ class Server:
         self._log = open(log, "ab")
         self._log.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         with Server._lock:
             Server._live.add(self)
         self._wait_healthy(timeout_s)
@@ -150,13 +140,7 @@ class Server:
         return "\n".join(lines[-n:])
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
         self._log.close()
         with Server._lock:
             Server._live.discard(self)

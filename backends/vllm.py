@@ -13,10 +13,8 @@ RequestStateStats (first_token_latency, first/last token timestamps).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
+
+from .processes import die_with_parent, stop
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,13 +130,6 @@ def speculative_config(method: dict, k: int) -> dict | None:
     return cfg
 
 
-def _die_with_parent():
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Worker:
     """One vLLM engine in its own process."""
 
@@ -153,7 +146,7 @@ class Worker:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "SPECSWEEP_ANSWER_FD": str(w)}
         self.proc = subprocess.Popen([python, "-m", "backends.vllm_worker"], stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=(w,), env=env, text=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         os.close(w)
         self._answers = os.fdopen(r, "r")
         self.timeout_s = timeout_s
@@ -195,12 +188,7 @@ class Worker:
                 self.proc.stdin.flush()
                 self.proc.wait(timeout=20)
             except (OSError, subprocess.TimeoutExpired, ValueError):
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+                stop(self.proc)
         self._log.close()
 
     @classmethod

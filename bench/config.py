@@ -1,8 +1,8 @@
 """Structured configs (Hydra ConfigStore) and the validation run before any model loads."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING

@@ -57,8 +57,8 @@ def test_wrong_type_is_rejected_by_the_schema():
 
 def test_method_the_backend_cannot_run_is_a_config_error():
     c = OmegaConf.to_container(_cfg(), resolve=True)
-    c["method"] = {"name": "eagle3", "speculative": True}
-    with pytest.raises(ConfigError, match="'eagle3' is not supported by backend 'native'; it supports autoregressive, ngram"):
+    c["method"] = {"name": "ngram_mod", "speculative": True}  # llama-server's drafter only
+    with pytest.raises(ConfigError, match="'ngram_mod' is not supported by backend 'native'; it supports autoregressive, ngram"):
         check_backend_supports(c)
 
 

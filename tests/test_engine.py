@@ -12,8 +12,9 @@ from backends.native import NativeBackend
 from backends.native.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
 from backends.native.engine import generate
 from backends.native.loading import load_model
-from backends.native.sampling import SamplingParams, probs_from_logits
+from backends.native.sampling import SamplingParams
 from bench.backend import Sampling
+from exact_sampling import exact_three_tokens  # tests/exact_sampling.py
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return",
@@ -108,22 +109,7 @@ def test_speculative_sampling_reproduces_the_target_distribution(tiny_llama, tmp
     draft = target.truncated(3)
     sp = SamplingParams(temperature=1.0, top_k=2)
     prompt = tok.encode("def f(x):\n    return").ids
-    # exact p(t1, t2, t3) under top-k 2 sampling, from full forwards
-    exact = {}
-    target.setup_cache(1, 64)
-
-    def dist(seq):
-        with torch.inference_mode():
-            lg = target(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1:]
-        return probs_from_logits(lg, sp)[0]
-
-    p1 = dist(prompt)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = dist(prompt + [t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            p3 = dist(prompt + [t1, t2])
-            for t3 in torch.nonzero(p3).flatten().tolist():
-                exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    exact = exact_three_tokens(target, prompt, sp)  # under top-k 2 sampling, from full forwards
     assert len(exact) == 8
     counts = {key: 0 for key in exact}
     gen = torch.Generator().manual_seed(0)

@@ -16,9 +16,10 @@ from backends.native.drafters import CombinedDrafter, HeadDrafter, NgramDrafter
 from backends.native.engine import generate
 from backends.native.heads import load_head, load_mtp_head, new_eagle3_head, save_eagle3_head
 from backends.native.loading import load_model
-from backends.native.sampling import SamplingParams, probs_from_logits
+from backends.native.sampling import SamplingParams
 from backends.native.train_eagle import target_pass, unrolled
 from bench.backend import Sampling
+from exact_sampling import exact_three_tokens, next_token_probs  # tests/exact_sampling.py
 
 TEXTS = ["def foo(x):\n    return x + 1\n\n\ndef bar(y):\n    return", "import os\nimport sys\n"]
 
@@ -162,33 +163,20 @@ def test_combined_sampling_reproduces_the_target_distribution(tiny):
     model, tok, args, _ = tiny
     sp = SamplingParams(temperature=1.0, top_k=2)
 
-    def dist(seq):
-        model.setup_cache(1, 64)
-        with torch.inference_mode():
-            lg = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1:]
-        return probs_from_logits(lg, sp)[0]
-
     # A prompt holding one of the two first tokens the target may sample (the n-gram then
     # drafts after it) but not the other (the head drafts): both paths run.
     prompt = None
     for text in ["def f(x):\n    return", "import os\n", "x = x + x", "self.x = x"]:
         base = tok.encode(text).ids
-        for extra in [[]] + [[t] for t in torch.nonzero(dist(base)).flatten().tolist()]:
+        for extra in [[]] + [[t] for t in torch.nonzero(next_token_probs(model, base, sp)).flatten().tolist()]:
             ids = extra + base  # a candidate first token placed at the front, so a lookup can find it
-            if sum(t in ids for t in torch.nonzero(dist(ids)).flatten().tolist()) == 1:
+            if sum(t in ids for t in torch.nonzero(next_token_probs(model, ids, sp)).flatten().tolist()) == 1:
                 prompt = ids
                 break
         if prompt:
             break
     assert prompt is not None
-    exact = {}
-    p1 = dist(prompt)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = dist(prompt + [t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            p3 = dist(prompt + [t1, t2])
-            for t3 in torch.nonzero(p3).flatten().tolist():
-                exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    exact = exact_three_tokens(model, prompt, sp)
     gen = torch.Generator().manual_seed(0)
     drafter = CombinedDrafter(NgramDrafter(2), HeadDrafter(_eagle3(args, std=0.5), model, 2, "h"), 1, "combined")
     counts = {key: 0 for key in exact}
