@@ -1,7 +1,7 @@
 """vLLM (`backend=vllm`), offline mode: `vllm.LLM` in a worker process (backends/vllm_worker.py)
 started with the interpreter that has vLLM installed, so vLLM's own torch pin never meets the
 project's. One engine per (model, speculative config), kept for the whole sweep process and
-reused for every batch size and workload; the baseline is the same vLLM without
+reused for every batch size and workload (two at most, least recently used stopped first); the baseline is the same vLLM without
 speculative_config on the same requests.
 
 Acceptance comes from vLLM's own counters, read around each measured batch (deltas):
@@ -133,7 +133,7 @@ def speculative_config(method: dict, k: int) -> dict | None:
 class Worker:
     """One vLLM engine in its own process."""
 
-    live: dict = {}  # key -> Worker: engines kept for the sweep process
+    live: dict = {}  # key -> Worker: engines kept for the sweep process, least recently used first
     lock = threading.Lock()
 
     def __init__(self, python: str, llm_kwargs: dict, log: Path, timeout_s: float):
@@ -191,12 +191,17 @@ class Worker:
                 stop(self.proc)
         self._log.close()
 
+    max_live = 2  # a baseline and one speculative engine: each holds its share of RAM (or GPU memory)
+
     @classmethod
     def get(cls, key: str, make) -> "Worker":
         with cls.lock:
-            w = cls.live.get(key)
+            w = cls.live.pop(key, None)
             if w is not None and w.proc.poll() is None:
+                cls.live[key] = w  # most recently used last
                 return w
+            while len(cls.live) >= cls.max_live:  # stop the least recently used engine first
+                cls.live.pop(next(iter(cls.live))).stop()
             w = cls.live[key] = make()
             return w
 

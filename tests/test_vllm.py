@@ -91,6 +91,11 @@ def test_ngram_job_through_the_harness(tiny64, tmp_path):
     assert _pids() <= before  # the sweep's engines stopped when it ended
 
 
+def test_at_most_two_engines_stay_up(tiny64, tmp_path):
+    """A sweep over many methods keeps the baseline and the latest speculative engine only."""
+    assert len(Worker.live) <= Worker.max_live
+
+
 def test_bad_speculative_config_is_a_clear_error_and_leaves_no_worker(tiny64, tmp_path):
     from bench.tiny_models import build_tiny_llama
 
@@ -120,6 +125,7 @@ def test_config_errors_name_what_is_valid(tiny64, tmp_path):
 def test_ngram_on_the_default_gemma_model(tmp_path):
     """The default model (its GGUF exported once to a Hugging Face folder) in vLLM with n-gram
     drafting: drafts are made and accepted, and greedy output equals vLLM's own baseline."""
+    Worker.stop_all()  # the tiny model's engines: Gemma needs a quarter of the RAM
     # Gemma's fp32 weights (1.07 GB) and its 262k-token logits need a larger share of RAM than the tiny model
     b = VLLMBackend({"path": "gemma3-270m"}, {"name": "ngram", "max_ngram": 3}, num_speculative_tokens=4,
                     **{**ENGINE, "gpu_memory_utilization": 0.25})
