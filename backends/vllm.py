@@ -1,8 +1,8 @@
 """vLLM (`backend=vllm`), offline mode: `vllm.LLM` in a worker process (backends/vllm_worker.py)
 started with the interpreter that has vLLM installed, so vLLM's own torch pin never meets the
 project's. One engine per (model, speculative config), kept for the whole sweep process and
-reused for every batch size and workload (two at most, least recently used stopped first); the baseline is the same vLLM without
-speculative_config on the same requests.
+reused for every batch size and workload (two at most, least recently used stopped first); the
+baseline is the same vLLM without speculative_config on the same requests.
 
 Acceptance comes from vLLM's own counters, read around each measured batch (deltas):
 vllm:spec_decode_num_drafts, num_draft_tokens, num_accepted_tokens and the per-position vector,
