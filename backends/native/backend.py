@@ -16,7 +16,7 @@ from .model import linear
 from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined")
-NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp", "draft_model", "layer_skip")
+NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
 
 
@@ -105,10 +105,10 @@ class NativeBackend(Backend):
             return HeadDrafter(head, self.model, k, f"MTP layer 0 of {self.resolved.name}, chained for {k} positions")
         if name == "combined":
             neural = m.get("neural", "eagle3")
-            if neural not in NEURAL_FOR_COMBINED or neural in ("draft_model", "layer_skip"):
-                raise ValueError(f"method.neural={neural!r} is not valid for combined; use one of eagle, eagle3, p_eagle, mtp")
+            if neural not in NEURAL_FOR_COMBINED:
+                raise ValueError(f"method.neural={neural!r} is not valid for combined; use one of {', '.join(NEURAL_FOR_COMBINED)}")
             inner = self._make_drafter(neural, {**m, "name": neural})
-            ngram = NgramDrafter(k, m.get("min_ngram", 1), m.get("max_ngram", 3), m.get("prefer_recent", True), m.get("min_hits", 1))
+            ngram = self._make_drafter("ngram", m)
             min_match = m.get("min_match", 1)
             return CombinedDrafter(ngram, inner, min_match,
                                    f"n-gram when it matches >= {min_match} token(s), else {inner.label}")

@@ -217,7 +217,7 @@ class HeadDrafter:
             drafts = ids.view(len(rows), k).tolist()
             qs = [None] * len(rows) if probs is None else list(probs.view(len(rows), k, -1).unbind(0))
         else:
-            last = need_t.float().argmax(1)  # each row's last real entry
+            last = torch.tensor([len(tk) - 1 for _, tk, _ in tails], device=dev)  # each row's last real entry
             h = nxt[torch.arange(len(rows)), last][:, None]
             p = pos_t[torch.arange(len(rows)), last][:, None]
             out_ids, out_probs = [], []
