@@ -7,12 +7,17 @@ baseline is the same vLLM without speculative_config on the same requests.
 Acceptance comes from vLLM's own counters, read around each measured batch (deltas):
 vllm:spec_decode_num_drafts, num_draft_tokens, num_accepted_tokens and the per-position vector,
 mapped to specsweep's metrics by the runner (SpecCounters). vLLM reports no draft/verify time
-split, so those columns say unavailable. TTFT and end-to-end time come from each request's
-RequestStateStats (first_token_latency, first/last token timestamps).
+split: specsweep's vllm.general_plugins entry point (backends/vllm_plugin, installed into vLLM's
+environment by `specsweep-install-vllm`; the timing itself is backends/vllm_timing.py) times the
+drafter and the target's forward inside the engine, one line per engine step, which the adapter
+returns with each batch (BatchOutput.steps). Without the plugin those columns say unavailable.
+TTFT and end-to-end time come from each request's RequestStateStats (first_token_latency,
+first/last token timestamps).
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import subprocess
@@ -62,6 +67,31 @@ def _has_vllm(py: str) -> bool:
     return probe.returncode == 0
 
 
+PLUGIN = "specsweep_step_timing"  # the entry point name in backends/vllm_plugin/pyproject.toml
+PLUGIN_DIR = REPO_ROOT / "backends" / "vllm_plugin"
+
+
+@functools.lru_cache(maxsize=None)
+def has_timing_plugin(py: str) -> bool:
+    """Whether vLLM's interpreter has specsweep's step-timing plugin registered."""
+    probe = subprocess.run([py, "-c", "from importlib.metadata import entry_points; import sys; sys.exit(0 if any("
+                            f"e.name == {PLUGIN!r} for e in entry_points(group='vllm.general_plugins')) else 1)"],
+                           capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+def install_plugin(py: str) -> int:
+    """Install the plugin shim into py's environment, built from a copy so the checkout stays clean."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = shutil.copytree(PLUGIN_DIR, Path(tmp) / "plugin")
+        cmd = [py, "-m", "pip", "install", "-q", "--no-build-isolation", str(src)]
+        print("+", " ".join(cmd), flush=True)
+        return subprocess.run(cmd).returncode
+
+
 def vllm_python(configured: str | None) -> str:
     """The interpreter with vLLM: backend.python, else $SPECSWEEP_VLLM_PYTHON, else the
     environment specsweep-install-vllm made, else the running one."""
@@ -89,6 +119,9 @@ def install_main(argv=None) -> int:
     py = env / "bin" / "python"
     if py.exists() and _has_vllm(str(py)):
         print(f"vLLM already in {env}")
+        if not has_timing_plugin(str(py)) and install_plugin(str(py)) != 0:
+            print("specsweep-install-vllm: the step-timing plugin did not install", file=sys.stderr)
+            return 1
         return 0
     import torch
 
@@ -103,6 +136,9 @@ def install_main(argv=None) -> int:
             return 1
     if not _has_vllm(str(py)):
         print(f"specsweep-install-vllm: vLLM does not import in {env}", file=sys.stderr)
+        return 1
+    if install_plugin(str(py)) != 0:
+        print("specsweep-install-vllm: the step-timing plugin did not install", file=sys.stderr)
         return 1
     print(f"vLLM installed in {env}; backend=vllm finds it there")
     return 0
@@ -142,8 +178,12 @@ class Worker:
         self._log = open(log, "ab")
         self._log.write(("$ vllm.LLM(" + json.dumps(llm_kwargs) + ")\n").encode())
         self._log.flush()
+        self.step_log = log.with_suffix(".steps.jsonl")  # appended by the timing plugin, if installed
+        self.step_log.unlink(missing_ok=True)
+        self._step_offset = 0
         r, w = os.pipe()
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "SPECSWEEP_ANSWER_FD": str(w)}
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "SPECSWEEP_ANSWER_FD": str(w),
+               "SPECSWEEP_VLLM_STEP_LOG": str(self.step_log)}
         self.proc = subprocess.Popen([python, "-m", "backends.vllm_worker"], stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=(w,), env=env, text=True,
                                      preexec_fn=die_with_parent)
@@ -174,6 +214,17 @@ class Worker:
                 raise ValueError(f"vLLM refused the engine configuration: {got['error']} (log: {self.log_path})")
             raise BackendError(f"vLLM failed: {got['error']} (log: {self.log_path})")
         return got
+
+    def new_steps(self) -> list[dict]:
+        """The engine steps the timing plugin logged since the last call."""
+        if not self.step_log.exists():
+            return []
+        with open(self.step_log, "rb") as f:
+            f.seek(self._step_offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written stays for the next call
+        self._step_offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
     def log_tail(self, n: int = 15) -> str:
         try:
@@ -241,6 +292,7 @@ class VLLMBackend(Backend):
 
         self.model_path = str(export_hf_folder(str(model["path"])))
         self.python = vllm_python(self.cfg.python)
+        self.timed = has_timing_plugin(self.python)
         self.logdir = Path.cwd()
 
     def set_artifact_dir(self, path) -> None:
@@ -272,6 +324,7 @@ class VLLMBackend(Backend):
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         spec = speculative and self.spec is not None
         w = self._worker(spec, len(prompts))
+        w.new_steps()  # steps before this batch (warm-up, tokenizer calls) are not its own
         got = w.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                       "sampling": {"max_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
                                    "top_k": sampling.top_k, "seed": sampling.seed}})
@@ -283,12 +336,14 @@ class VLLMBackend(Backend):
                                       finished_by="eos" if r["finish_reason"] == "stop" else "length"))
         counters = _delta(got["before"], got["after"], self.k) if spec else None
         return BatchOutput(reqs, got["wall_s"], None, counters={"before": got["before"], "after": got["after"]} if spec else {},
-                           spec_counters=counters)
+                           spec_counters=counters, steps=w.new_steps() or None)
 
     def describe(self) -> dict:
         return {"engine": "vllm (offline LLM, worker process)", "python": self.python, "model_resolved": self.model_path,
                 "speculative_config": json.dumps(self.spec), "dtype": self.cfg.dtype, "drafter": self.method["name"],
-                "time_split": "unavailable: vLLM reports no draft/verify time split"}
+                "time_split": ("measured: engine steps timed by specsweep's vllm.general_plugins entry point" if self.timed
+                               else f"unavailable: vLLM reports none, and specsweep's timing plugin is not installed in "
+                                    f"{self.python} (run specsweep-install-vllm)")}
 
     def close(self) -> None:
         pass  # engines stay up for the rest of the sweep process (Worker.live); stopped at exit

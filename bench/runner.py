@@ -77,6 +77,11 @@ class Measurement:
                 cyc_rows.append({"run": self.kind, "repeat": rep, "batch": bi, "request_id": prompts[idx[cy["row"]]].id, **cy})
         return pd.DataFrame(req_rows), pd.DataFrame(cyc_rows)
 
+    def steps_table(self) -> pd.DataFrame:
+        """Engine steps timed inside engines without a per-cycle trace (BatchOutput.steps)."""
+        return pd.DataFrame([{"run": self.kind, "repeat": rep, "batch": bi, **st}
+                             for rep, bi, _, out in self.runs for st in out.steps or []])
+
 
 def _measure_once(backend, kind, m: Measurement, ids, batches, c, repeat, progress):
     for bi, idx in enumerate(batches):
@@ -203,6 +208,9 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     cycles = pd.concat([base_cyc, spec_cyc], ignore_index=True)
     write_parquet(jdir / "requests.parquet", requests)
     write_parquet(jdir / "cycles.parquet", cycles)
+    steps = pd.concat([base.steps_table(), spec.steps_table()], ignore_index=True)
+    if len(steps):
+        write_parquet(jdir / "steps.parquet", steps)
 
     engine = backend.describe()
     out = {"baseline_from": baseline_from, "engine": engine, "drafter": engine.get("drafter")}
@@ -210,13 +218,16 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
     out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
                          [spec.throughput(r) for r in spec.repeats()] if speculative else base_tp, speculative,
-                         sum(counters[1:], counters[0]) if counters else None))
+                         sum(counters[1:], counters[0]) if counters else None, spec.steps_table()))
     return out
 
 
-def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool, counters=None) -> dict:
+def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool, counters=None,
+              spec_steps=None) -> dict:
     """Every metric of DESIGN.md from the measured tables; where the engine keeps no per-cycle
-    trace, acceptance comes from its counters (a SpecCounters total), under the same definitions."""
+    trace, acceptance comes from its counters (a SpecCounters total), and the time split from its
+    timed engine steps where it has them (decode steps only, as for cycles), under the same
+    definitions."""
     k = c["num_speculative_tokens"]
     req = spec_req if speculative else base_req
     cyc = spec_cyc if speculative else base_cyc
@@ -248,7 +259,12 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
             per = spec_req.dropna(subset=["drafted"])
             if len(per):
                 s.update(metrics.request_acceptance(per.astype({"drafted": float, "accepted": float})))
-            s["time_split"] = "unavailable: the engine reports no draft/verify time split"
+            decode = spec_steps[spec_steps.decode] if spec_steps is not None and len(spec_steps) else pd.DataFrame()
+            if len(decode):
+                s.update(metrics.time_fractions(decode, keys=("repeat", "batch", "step")))
+                s["time_split"] = "measured: decode steps timed inside the engine (steps.parquet)"
+            else:
+                s["time_split"] = "unavailable: the engine reports no draft/verify time split"
         return s
     s["acceptance_rate"] = metrics.acceptance_rate(cyc.drafted, cyc.accepted)
     s["mean_acceptance_length"] = metrics.mean_acceptance_length(cyc.drafted, cyc.accepted)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from backends.vllm import VLLMBackend, Worker, speculative_config, vllm_python
@@ -44,6 +45,12 @@ def test_self_draft_accepts_every_token_and_output_equals_the_baseline(tiny64, t
     assert c.accepted_per_position == [c.drafts] * 3
     assert all(0 < r.ttft_s <= r.e2e_s for r in spec.requests)
     assert (tmp_path / "vllm-draft_model.log").exists()
+    # The timing plugin (a vllm.general_plugins entry point) ran inside vLLM's engine process: the
+    # speculative engine's decode steps verify drafts and spend time drafting, the baseline's none.
+    spec_decode = [st for st in spec.steps if st["decode"]]
+    assert spec_decode and all(st["spec_tokens"] > 0 and st["t_draft"] > 0 and st["t_verify"] > 0 for st in spec_decode)
+    assert base.steps and all(st["t_draft"] == 0 and st["spec_tokens"] == 0 for st in base.steps)
+    assert all(abs(st["t_draft"] + st["t_verify"] + st["t_other"] - st["t_total"]) < 1e-6 for st in spec.steps)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "p_eagle"])
@@ -86,7 +93,9 @@ def test_ngram_job_through_the_harness(tiny64, tmp_path):
     s = json.loads((job / "summary.json").read_text())
     assert s["status"] == "ok" and s["lossless"] == "true", s.get("error")
     assert s["engine_counters"]["draft_tokens"] > 0 and 0 <= s["acceptance_rate"] <= 1
-    assert s["time_split"].startswith("unavailable")
+    assert s["time_split"].startswith("measured") and 0 < s["verify_fraction"] < 1 and 0 < s["draft_fraction"] < 1
+    steps = pd.read_parquet(job / "steps.parquet")
+    assert set(steps.run) == {"baseline", "spec"} and steps[steps.run == "spec"].spec_tokens.sum() > 0
     assert (job / "vllm-ngram.log").exists()
     assert _pids() <= before  # the sweep's engines stopped when it ended
 

@@ -1,0 +1,117 @@
+"""Draft/verify timing inside an unmodified vLLM, which reports no such split. Loaded in vLLM's
+own processes through the vllm.general_plugins entry point of backends/vllm_plugin (installed
+into vLLM's environment by `specsweep-install-vllm`), only when SPECSWEEP_VLLM_STEP_LOG names a
+file. It wraps four methods of vLLM's v1 model runner (GPUModelRunner; the CPU runner inherits
+them) and appends one JSON line per engine step to that file:
+
+- t_verify: the target's forward (`_model_forward`) plus its logits (`model.compute_logits`)
+  when called by the runner itself, i.e. not while drafting;
+- t_draft: `propose_draft_token_ids` (the drafter: n-gram lookup, EAGLE head, draft model);
+- t_other: the rest of `execute_model` + `sample_tokens` (input preparation, sampling,
+  rejection, bookkeeping).
+
+A step's drafting proposes the tokens the next step verifies; sums over steps are the same. The
+step's shape comes with it: rows, scheduled tokens, scheduled draft tokens, and `decode` (every
+scheduled row is in decode: one token plus its drafts). On CUDA each timed region is bracketed by
+a device synchronize, which costs the overlap of asynchronous scheduling: the split is honest,
+the absolute step time slightly pessimistic. Imports nothing of specsweep.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+_installed = False
+
+
+def _summary(so) -> dict:
+    spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+    n = getattr(so, "num_scheduled_tokens", None) or {}
+    decode = bool(n) and not getattr(so, "scheduled_new_reqs", None) and all(
+        v == 1 + len(spec.get(r, ())) for r, v in n.items())
+    return {"rows": len(n), "tokens": int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
+            "spec_tokens": int(sum(len(v) for v in spec.values())), "decode": decode}
+
+
+def install(path: str) -> None:
+    """Wrap the model runner's phases; idempotent (vLLM may load a plugin more than once)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    out = open(f"{path}", "a", buffering=1)  # one line per step, visible to the adapter at once
+    state = {"step": 0, "pending": None, "drafting": False}
+
+    def sync(runner):
+        if getattr(getattr(runner, "device", None), "type", None) == "cuda":
+            torch.cuda.synchronize()
+
+    def run_timed(runner, call, bucket):
+        p = state["pending"]
+        if p is None or (bucket == "verify" and state["drafting"]):
+            return call()
+        sync(runner)
+        t0 = time.perf_counter()
+        state["drafting"] = bucket == "draft"
+        try:
+            return call()
+        finally:
+            sync(runner)
+            state["drafting"] = False
+            p["t_" + bucket] += time.perf_counter() - t0
+
+    def timed(fn, bucket):
+        def wrapper(self, *a, **kw):
+            return run_timed(self, lambda: fn(self, *a, **kw), bucket)
+        return wrapper
+
+    def time_target_logits(runner):
+        # The target's logits count as verification. The CPU runner has its own load_model, so
+        # the model's compute_logits is wrapped on first use rather than at load.
+        model = runner.model
+        if getattr(model, "_specsweep_timed", False):
+            return
+        orig = model.compute_logits
+        model.compute_logits = lambda *a, **kw: run_timed(runner, lambda: orig(*a, **kw), "verify")
+        model._specsweep_timed = True
+
+    orig_exec, orig_sample = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+
+    def execute_model(self, scheduler_output, *a, **kw):
+        time_target_logits(self)
+        sync(self)
+        state["pending"] = p = {"t_verify": 0.0, "t_draft": 0.0, "t_total": 0.0, **_summary(scheduler_output)}
+        t0 = time.perf_counter()
+        try:
+            result = orig_exec(self, scheduler_output, *a, **kw)
+        finally:
+            sync(self)
+            p["t_total"] += time.perf_counter() - t0
+        if result is not None:  # finished without sampling (nothing scheduled, pipeline stage): no step
+            state["pending"] = None
+        return result
+
+    def sample_tokens(self, *a, **kw):
+        p = state["pending"]
+        t0 = time.perf_counter()
+        try:
+            return orig_sample(self, *a, **kw)
+        finally:
+            if p is not None:
+                sync(self)
+                p["t_total"] += time.perf_counter() - t0
+                p["t_other"] = max(p["t_total"] - p["t_verify"] - p["t_draft"], 0.0)
+                p["step"] = state["step"]
+                p["pid"] = os.getpid()
+                state["step"] += 1
+                state["pending"] = None
+                out.write(json.dumps(p) + "\n")
+
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner.sample_tokens = sample_tokens
+    GPUModelRunner._model_forward = timed(GPUModelRunner._model_forward, "verify")
+    GPUModelRunner.propose_draft_token_ids = timed(GPUModelRunner.propose_draft_token_ids, "draft")
