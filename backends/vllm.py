@@ -30,7 +30,7 @@ from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sam
 
 from .processes import die_with_parent, stop
 
-METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp")
+METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp", "suffix")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -163,27 +163,95 @@ def speculative_config(method: dict, k: int) -> dict | None:
         cfg["model"] = str(Path(method[key]).expanduser())
         if name == "p_eagle":
             cfg["parallel_drafting"] = True  # vLLM's P-EAGLE: an EAGLE-3 head drafting k tokens in one pass
+    elif name == "suffix":  # suffix trees over prompt and earlier outputs (vLLM needs arctic-inference)
+        cfg.update({f"suffix_decoding_{key}": method[key] for key in ("max_tree_depth", "max_spec_factor", "min_token_prob",
+                                                                      "max_cached_requests") if method.get(key) is not None})
     return cfg
 
 
-class Worker:
-    """One vLLM engine in its own process."""
+@functools.lru_cache(maxsize=None)
+def missing_for(py: str, method: str) -> str | None:
+    """What vLLM's environment lacks for a method it supports only with an extra package."""
+    if method != "suffix":
+        return None
+    probe = subprocess.run([py, "-c", "import arctic_inference.suffix_decoding"], capture_output=True, text=True)
+    if probe.returncode == 0:
+        return None
+    return (f"method suffix on vLLM needs arctic-inference (Snowflake's suffix trees) in {py}; it is not there. "
+            "Install it into vLLM's environment (PyPI arctic-inference ships only a source build against CUDA torch), "
+            "or pick another method: " + ", ".join(m for m in METHODS if m != "suffix"))
 
-    live: dict = {}  # key -> Worker: engines kept for the sweep process, least recently used first
+
+class Pool:
+    """Engines kept for the sweep process, reused for every batch size and workload: two at most
+    (a baseline and the latest speculative one, each holding its share of RAM or GPU memory),
+    the least recently used stopped first. Shared by offline workers and servers."""
+
+    max_live = 2
+    live: dict = {}  # key -> engine process, least recently used first
     lock = threading.Lock()
 
-    def __init__(self, python: str, llm_kwargs: dict, log: Path, timeout_s: float):
+    @classmethod
+    def get(cls, key: str, make):
+        with cls.lock:
+            e = cls.live.pop(key, None)
+            if e is not None and e.proc.poll() is None:
+                cls.live[key] = e  # most recently used last
+                return e
+            while len(cls.live) >= cls.max_live:
+                cls.live.pop(next(iter(cls.live))).stop()
+            e = cls.live[key] = make()
+            return e
+
+    @classmethod
+    def stop_all(cls):
+        with cls.lock:
+            for e in cls.live.values():
+                e.stop()
+            cls.live.clear()
+
+
+class EngineProcess:
+    """What a vLLM process of the adapter has: a log in the job folder and the step-timing log
+    that the plugin appends to (backends/vllm_timing.py)."""
+
+    def _open_logs(self, log: Path, header: str) -> dict:
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")
-        self._log.write(("$ vllm.LLM(" + json.dumps(llm_kwargs) + ")\n").encode())
+        self._log.write((header + "\n").encode())
         self._log.flush()
         self.step_log = log.with_suffix(".steps.jsonl")  # appended by the timing plugin, if installed
         self.step_log.unlink(missing_ok=True)
         self._step_offset = 0
+        return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
+                "SPECSWEEP_VLLM_STEP_LOG": str(self.step_log)}
+
+    def new_steps(self) -> list[dict]:
+        """The engine steps the timing plugin logged since the last call."""
+        if not self.step_log.exists():
+            return []
+        with open(self.step_log, "rb") as f:
+            f.seek(self._step_offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written stays for the next call
+        self._step_offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Worker(EngineProcess):
+    """One vLLM engine (offline vllm.LLM) in its own process."""
+
+    def __init__(self, python: str, llm_kwargs: dict, log: Path, timeout_s: float):
+        env = self._open_logs(log, "$ vllm.LLM(" + json.dumps(llm_kwargs) + ")")
         r, w = os.pipe()
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "SPECSWEEP_ANSWER_FD": str(w),
-               "SPECSWEEP_VLLM_STEP_LOG": str(self.step_log)}
+        env["SPECSWEEP_ANSWER_FD"] = str(w)
         self.proc = subprocess.Popen([python, "-m", "backends.vllm_worker"], stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=(w,), env=env, text=True,
                                      preexec_fn=die_with_parent)
@@ -215,23 +283,6 @@ class Worker:
             raise BackendError(f"vLLM failed: {got['error']} (log: {self.log_path})")
         return got
 
-    def new_steps(self) -> list[dict]:
-        """The engine steps the timing plugin logged since the last call."""
-        if not self.step_log.exists():
-            return []
-        with open(self.step_log, "rb") as f:
-            f.seek(self._step_offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line still being written stays for the next call
-        self._step_offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-
-    def log_tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
     def stop(self):
         if self.proc.poll() is None:
             try:
@@ -242,29 +293,8 @@ class Worker:
                 stop(self.proc)
         self._log.close()
 
-    max_live = 2  # a baseline and one speculative engine: each holds its share of RAM (or GPU memory)
 
-    @classmethod
-    def get(cls, key: str, make) -> "Worker":
-        with cls.lock:
-            w = cls.live.pop(key, None)
-            if w is not None and w.proc.poll() is None:
-                cls.live[key] = w  # most recently used last
-                return w
-            while len(cls.live) >= cls.max_live:  # stop the least recently used engine first
-                cls.live.pop(next(iter(cls.live))).stop()
-            w = cls.live[key] = make()
-            return w
-
-    @classmethod
-    def stop_all(cls):
-        with cls.lock:
-            for w in cls.live.values():
-                w.stop()
-            cls.live.clear()
-
-
-atexit.register(Worker.stop_all)
+atexit.register(Pool.stop_all)
 
 
 def _delta(before: dict, after: dict, k: int) -> SpecCounters:
@@ -292,6 +322,8 @@ class VLLMBackend(Backend):
 
         self.model_path = str(export_hf_folder(str(model["path"])))
         self.python = vllm_python(self.cfg.python)
+        if missing_for(self.python, self.method["name"]):
+            raise ValueError(missing_for(self.python, self.method["name"]))
         self.timed = has_timing_plugin(self.python)
         self.logdir = Path.cwd()
 
@@ -306,24 +338,28 @@ class VLLMBackend(Backend):
             kw["speculative_config"] = spec
         return kw
 
-    def _worker(self, speculative: bool, batch: int) -> Worker:
+    def _engine(self, speculative: bool, batch: int):
+        """The engine for this speculative config (or the baseline), started once per sweep process."""
         if batch > self.cfg.max_num_seqs:
             raise ValueError(f"batch_size={batch} is above backend.max_num_seqs={self.cfg.max_num_seqs}; raise "
                              "backend.max_num_seqs so the whole batch is scheduled together")
         kw = self._llm_kwargs(self.spec if speculative else None)
-        key = json.dumps([self.python, kw], sort_keys=True)
+        key = json.dumps([self.name, self.python, kw], sort_keys=True)
         name = (self.spec or {}).get("method", "baseline") if speculative else "baseline"
-        return Worker.get(key, lambda: Worker(self.python, kw, self.logdir / f"vllm-{name}.log", self.cfg.startup_timeout_s))
+        return Pool.get(key, lambda: self._start(kw, self.logdir / f"{self.name}-{name}.log"))
+
+    def _start(self, kw: dict, log: Path) -> Worker:
+        return Worker(self.python, kw, log, self.cfg.startup_timeout_s)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._worker(False, 1).call({"op": "tokenize", "text": text})["ids"]
+        return self._engine(False, 1).call({"op": "tokenize", "text": text})["ids"]
 
     def detokenize(self, ids) -> str:
-        return self._worker(False, 1).call({"op": "detokenize", "ids": list(ids)})["text"]
+        return self._engine(False, 1).call({"op": "detokenize", "ids": list(ids)})["text"]
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         spec = speculative and self.spec is not None
-        w = self._worker(spec, len(prompts))
+        w = self._engine(spec, len(prompts))
         w.new_steps()  # steps before this batch (warm-up, tokenizer calls) are not its own
         got = w.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                       "sampling": {"max_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
@@ -346,4 +382,4 @@ class VLLMBackend(Backend):
                                     f"{self.python} (run specsweep-install-vllm)")}
 
     def close(self) -> None:
-        pass  # engines stay up for the rest of the sweep process (Worker.live); stopped at exit
+        pass  # engines stay up for the rest of the sweep process (Pool); stopped at exit

