@@ -16,19 +16,17 @@ first/last token timestamps).
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .processes import die_with_parent, stop
+from .processes import Pool, Worker
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp", "suffix")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -182,119 +180,6 @@ def missing_for(py: str, method: str) -> str | None:
             "or pick another method: " + ", ".join(m for m in METHODS if m != "suffix"))
 
 
-class Pool:
-    """Engines kept for the sweep process, reused for every batch size and workload: two at most
-    (a baseline and the latest speculative one, each holding its share of RAM or GPU memory),
-    the least recently used stopped first. Shared by offline workers and servers."""
-
-    max_live = 2
-    live: dict = {}  # key -> engine process, least recently used first
-    lock = threading.Lock()
-
-    @classmethod
-    def get(cls, key: str, make):
-        with cls.lock:
-            e = cls.live.pop(key, None)
-            if e is not None and e.proc.poll() is None:
-                cls.live[key] = e  # most recently used last
-                return e
-            while len(cls.live) >= cls.max_live:
-                cls.live.pop(next(iter(cls.live))).stop()
-            e = cls.live[key] = make()
-            return e
-
-    @classmethod
-    def stop_all(cls):
-        with cls.lock:
-            for e in cls.live.values():
-                e.stop()
-            cls.live.clear()
-
-
-class EngineProcess:
-    """What a vLLM process of the adapter has: a log in the job folder and the step-timing log
-    that the plugin appends to (backends/vllm_timing.py)."""
-
-    def _open_logs(self, log: Path, header: str) -> dict:
-        self.log_path = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log, "ab")
-        self._log.write((header + "\n").encode())
-        self._log.flush()
-        self.step_log = log.with_suffix(".steps.jsonl")  # appended by the timing plugin, if installed
-        self.step_log.unlink(missing_ok=True)
-        self._step_offset = 0
-        return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
-                "SPECSWEEP_VLLM_STEP_LOG": str(self.step_log)}
-
-    def new_steps(self) -> list[dict]:
-        """The engine steps the timing plugin logged since the last call."""
-        if not self.step_log.exists():
-            return []
-        with open(self.step_log, "rb") as f:
-            f.seek(self._step_offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line still being written stays for the next call
-        self._step_offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-
-    def log_tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-class Worker(EngineProcess):
-    """One vLLM engine (offline vllm.LLM) in its own process."""
-
-    def __init__(self, python: str, llm_kwargs: dict, log: Path, timeout_s: float):
-        env = self._open_logs(log, "$ vllm.LLM(" + json.dumps(llm_kwargs) + ")")
-        r, w = os.pipe()
-        env["SPECSWEEP_ANSWER_FD"] = str(w)
-        self.proc = subprocess.Popen([python, "-m", "backends.vllm_worker"], stdin=subprocess.PIPE, stdout=self._log,
-                                     stderr=subprocess.STDOUT, pass_fds=(w,), env=env, text=True,
-                                     preexec_fn=die_with_parent)
-        os.close(w)
-        self._answers = os.fdopen(r, "r")
-        self.timeout_s = timeout_s
-        got = self.call({"op": "init", "llm": llm_kwargs}, timeout_s)
-        self.version, self.start_s = got["version"], got["start_s"]
-
-    def call(self, req: dict, timeout_s: float | None = None) -> dict:
-        if self.proc.poll() is not None:
-            raise BackendError(f"the vLLM worker has exited ({self.proc.returncode}); its log ends with:\n{self.log_tail()}")
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        box = {}
-        t = threading.Thread(target=lambda: box.setdefault("line", self._answers.readline()), daemon=True)
-        t.start()
-        t.join(timeout_s or self.timeout_s)
-        line = box.get("line")
-        if not line:
-            self.stop()
-            raise BackendError(f"the vLLM worker gave no answer to {req['op']!r} (timeout or exit); its log ends "
-                               f"with:\n{self.log_tail()}")
-        got = json.loads(line)
-        if not got.get("ok"):
-            if got.get("kind") == "init":
-                self.stop()
-                raise ValueError(f"vLLM refused the engine configuration: {got['error']} (log: {self.log_path})")
-            raise BackendError(f"vLLM failed: {got['error']} (log: {self.log_path})")
-        return got
-
-    def stop(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired, ValueError):
-                stop(self.proc)
-        self._log.close()
-
-
-atexit.register(Pool.stop_all)
 
 
 def _delta(before: dict, after: dict, k: int) -> SpecCounters:
@@ -349,7 +234,7 @@ class VLLMBackend(Backend):
         return Pool.get(key, lambda: self._start(kw, self.logdir / f"{self.name}-{name}.log"))
 
     def _start(self, kw: dict, log: Path) -> Worker:
-        return Worker(self.python, kw, log, self.cfg.startup_timeout_s)
+        return Worker(self.python, "backends.vllm_worker", kw, log, self.cfg.startup_timeout_s, "vLLM")
 
     def tokenize(self, text: str) -> list[int]:
         return self._engine(False, 1).call({"op": "tokenize", "text": text})["ids"]

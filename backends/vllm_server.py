@@ -23,8 +23,8 @@ from pathlib import Path
 
 from bench.backend import BackendError, BatchOutput, RequestOutput, Sampling
 
-from .processes import die_with_parent, free_port, stop_group
-from .vllm import EngineProcess, VLLMBackend, _delta
+from .processes import EngineProcess, die_with_parent, free_port, stop_group
+from .vllm import VLLMBackend, _delta
 
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 

@@ -10,7 +10,8 @@ import sys
 import pandas as pd
 import pytest
 
-from backends.vllm import Pool, VLLMBackend, missing_for, speculative_config, vllm_python
+from backends.processes import Pool
+from backends.vllm import VLLMBackend, missing_for, speculative_config, vllm_python
 from bench.backend import Sampling
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,299 @@
+"""SGLang (`backend=sglang` offline, `backend=sglang_server` server mode). SGLang's kernels on
+PyPI are CUDA builds: it runs on GPU machines only. Field names and formulas below were read from
+SGLang 0.5.23's source (srt/managers/tokenizer_manager.py `_calculate_spec_decoding_metrics`,
+srt/managers/schedule_batch.py, srt/observability/metrics_collector.py).
+
+Offline: `sglang.Engine` in a worker process (backends/sglang_worker.py) started with the
+interpreter that has SGLang (backend.python, $SPECSWEEP_SGLANG_PYTHON, else the running one).
+Server: `python -m sglang.launch_server` on 127.0.0.1 with --enable-metrics, in a process group
+of its own; a batch is its requests sent together to /generate as input_ids. One engine per
+(model, speculative config) kept for the sweep process; the baseline is the same engine without
+a speculative algorithm.
+
+Acceptance from each finished request's meta_info: spec_verify_ct (verify forwards, each one a
+cycle with a draft), spec_num_proposed_drafts (= spec_verify_ct x (speculative_num_draft_tokens
+- 1): SGLang counts the drafted length as fixed), spec_num_correct_drafts (accepted draft
+tokens, bonus excluded) and spec_correct_drafts_histogram (index j: verifies that accepted j
+drafts), from which the per-position counts follow. SGLang's own spec_accept_length is
+completion_tokens / spec_verify_ct: it includes the bonus token and also the token of the
+prefill, so it exceeds DESIGN.md's mean_acceptance_length by 1/spec_verify_ct. /metrics has no
+accepted-token counter (spec_accept_length and spec_accept_rate are gauges over the last logging
+window, get_server_info's average is cumulative since start): its sglang:spec_verify_calls_total
+delta is kept beside the metrics as a cross-check of the summed spec_verify_ct.
+
+| method       | SGLang                                                                       |
+|--------------|------------------------------------------------------------------------------|
+| ngram        | speculative_algorithm NGRAM                                                  |
+| draft_model  | STANDALONE, speculative_draft_model_path = method.draft_path                 |
+| eagle        | EAGLE, speculative_draft_model_path = method.head_path                       |
+| eagle3       | EAGLE3, speculative_draft_model_path = method.head_path                      |
+Every method drafts a chain: speculative_num_steps = k, speculative_eagle_topk = 1,
+speculative_num_draft_tokens = k + 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
+
+from .processes import EngineProcess, Pool, Worker, die_with_parent, free_port, stop_group
+
+METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
+ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
+
+
+@dataclass
+class SGLangConfig:
+    python: str | None = None
+    dtype: str = "auto"
+    context_length: int = 2048
+    max_running_requests: int = 8
+    mem_fraction_static: float = 0.5
+    disable_cuda_graph: bool = False
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"backend.dtype={self.dtype!r} is not valid; use auto, float32, bfloat16 or float16")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"backend.mem_fraction_static={self.mem_fraction_static} is not valid; use a share of GPU "
+                             "memory in (0, 1) for weights and KV cache")
+        for key in ("context_length", "max_running_requests"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use 1 or more")
+
+
+def speculative_args(method: dict, k: int) -> dict:
+    """specsweep's method vocabulary as SGLang server arguments (the table above)."""
+    name = method.get("name")
+    if name not in METHODS:
+        raise ValueError(f"method {name!r} is not supported by backend sglang; it supports {', '.join(METHODS)}")
+    if name == "autoregressive":
+        return {}
+    args = {"speculative_algorithm": ALGORITHMS[name], "speculative_num_steps": k, "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": k + 1}
+    if name != "ngram":
+        key = "draft_path" if name == "draft_model" else "head_path"
+        if not method.get(key):
+            raise ValueError(f"method {name} on backend sglang needs method.{key}: a folder SGLang can load "
+                             f"({'a draft model' if name == 'draft_model' else 'an ' + name.upper() + ' head'} in the "
+                             "Hugging Face layout)")
+        args["speculative_draft_model_path"] = str(Path(method[key]).expanduser())
+    return args
+
+
+def request_counts(meta: dict, k: int) -> tuple[int, int, int, list[int]]:
+    """One finished request's meta_info as (verify steps with a draft, draft tokens, accepted
+    draft tokens, accepted per draft position). A request without spec fields (finished at its
+    first token) has none."""
+    verify = int(meta.get("spec_verify_ct", 0) or 0)
+    if verify == 0:
+        return 0, 0, 0, [0] * k
+    hist = list(meta.get("spec_correct_drafts_histogram") or [])
+    # position i (0-based) is accepted in every verify that accepted more than i drafts
+    per_pos = [int(sum(hist[i + 1:])) for i in range(k)]
+    return verify, int(meta["spec_num_proposed_drafts"]), int(meta["spec_num_correct_drafts"]), per_pos
+
+
+def batch_counters(metas: list[dict], k: int) -> SpecCounters:
+    total = SpecCounters(0, 0, 0, [0] * k)
+    for m in metas:
+        total = total + SpecCounters(*request_counts(m, k))
+    return total
+
+
+def metrics_counters(text: str) -> dict:
+    """The counters of SGLang's /metrics page (prometheus-client's parser), summed over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for sm in fam.samples:
+            if sm.name in ("sglang:spec_verify_calls_total", "sglang:generation_tokens_total", "sglang:prompt_tokens_total"):
+                out[sm.name] = out.get(sm.name, 0.0) + sm.value
+    return out
+
+
+def request_output(d: dict, submitted_s: float, returned_s: float, spec: bool, k: int) -> RequestOutput:
+    """One /generate (or Engine.generate) result as a RequestOutput; TTFT from meta_info's
+    first_token_latency when SGLang reports it, else the time the result came back."""
+    meta = d.get("meta_info", {})
+    ttft = meta.get("first_token_latency")
+    e2e = meta.get("e2e_latency") or (returned_s - submitted_s)
+    finish = (meta.get("finish_reason") or {}).get("type")
+    drafted = accepted = None
+    if spec:
+        _, drafted, accepted, _ = request_counts(meta, k)
+    return RequestOutput(list(d["output_ids"]), ttft if ttft is not None else e2e, e2e, [e2e],
+                         finished_by="eos" if finish == "stop" else "length", drafted=drafted, accepted=accepted)
+
+
+def sglang_python(configured: str | None) -> str:
+    candidates = [configured] if configured else [os.environ.get("SPECSWEEP_SGLANG_PYTHON"), sys.executable]
+    for py in [c for c in candidates if c]:
+        if Path(py).exists() and subprocess.run([py, "-c", "import sglang"], capture_output=True).returncode == 0:
+            return py
+    raise ValueError(f"no SGLang in {[c for c in candidates if c]}: SGLang needs a CUDA GPU; on such a machine "
+                     "`pip install sglang`, or set backend.python / SPECSWEEP_SGLANG_PYTHON to an interpreter with it")
+
+
+class SGLangServer(EngineProcess):
+    """One `python -m sglang.launch_server` on 127.0.0.1."""
+
+    def __init__(self, python: str, args: dict, log: Path, timeout_s: float):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port), "--enable-metrics"]
+        for key, value in args.items():
+            if value is True:
+                cmd.append("--" + key.replace("_", "-"))
+            elif value is not False and value is not None:
+                cmd += ["--" + key.replace("_", "-"), str(value)]
+        env = self._open_logs(log, "$ " + " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float):
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_tail(25)
+                self.stop()
+                raise ValueError(f"SGLang's server exited (status {self.proc.returncode}) before it was ready, which is "
+                                 f"what a configuration it refuses looks like; log {self.log_path} ends with:\n{tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise BackendError(f"SGLang's server was not healthy within {timeout_s:.0f} s; its log ends with:\n{tail}")
+
+    def counters(self) -> dict:
+        import httpx
+
+        return metrics_counters(httpx.get(self.url + "/metrics", timeout=30).text)
+
+    def stop(self):
+        stop_group(self.proc)
+        self._log.close()
+
+
+class SGLangBackend(Backend):
+    name = "sglang"
+    supported_methods = METHODS
+    server = False
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
+                 dtype: str = "auto", context_length: int = 2048, max_running_requests: int = 8,
+                 mem_fraction_static: float = 0.5, disable_cuda_graph: bool = False, startup_timeout_s: float = 900.0,
+                 **unused):
+        self.cfg = SGLangConfig(python, dtype, context_length, max_running_requests, mem_fraction_static,
+                                disable_cuda_graph, startup_timeout_s)
+        self.method, self.k = dict(method), num_speculative_tokens
+        self.spec = speculative_args(self.method, self.k)
+        from backends.native.loading import export_hf_folder  # GGUF (the default model) -> HF folder, once
+
+        self.model_path = str(export_hf_folder(str(model["path"])))
+        self.python = sglang_python(self.cfg.python)
+        self.logdir = Path.cwd()
+        self._tokenizer = None
+
+    def set_artifact_dir(self, path) -> None:
+        self.logdir = Path(path)
+
+    def _args(self, speculative: bool) -> dict:
+        args = {"model_path": self.model_path, "dtype": self.cfg.dtype, "context_length": self.cfg.context_length,
+                "max_running_requests": self.cfg.max_running_requests, "mem_fraction_static": self.cfg.mem_fraction_static,
+                "disable_cuda_graph": self.cfg.disable_cuda_graph, "random_seed": 0}
+        return {**args, **(self.spec if speculative else {})}
+
+    def _engine(self, speculative: bool, batch: int):
+        if batch > self.cfg.max_running_requests:
+            raise ValueError(f"batch_size={batch} is above backend.max_running_requests="
+                             f"{self.cfg.max_running_requests}; raise it so the whole batch runs together")
+        args = self._args(speculative)
+        key = json.dumps([self.name, self.python, args], sort_keys=True)
+        log = self.logdir / f"{self.name}-{self.spec.get('speculative_algorithm', 'baseline') if speculative else 'baseline'}.log"
+        if self.server:
+            return Pool.get(key, lambda: SGLangServer(self.python, args, log, self.cfg.startup_timeout_s))
+        return Pool.get(key, lambda: Worker(self.python, "backends.sglang_worker", args, log, self.cfg.startup_timeout_s,
+                                            "SGLang"))
+
+    def _tok(self):
+        # Tokenized here, with the model's own tokenizer, so no engine is needed for it.
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok().encode(text, add_special_tokens=True)
+
+    def detokenize(self, ids) -> str:
+        return self._tok().decode(list(ids), skip_special_tokens=True)
+
+    def _sampling(self, sampling: Sampling, max_new_tokens: int) -> dict:
+        return {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k if sampling.top_k > 0 else -1, "sampling_seed": sampling.seed}
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        spec = speculative and bool(self.spec)
+        e = self._engine(spec, len(prompts))
+        params = self._sampling(sampling, max_new_tokens)
+        counters = {}
+        if self.server:
+            import httpx
+
+            before = e.counters()
+            t0 = time.perf_counter()
+
+            def one(p):
+                r = httpx.post(e.url + "/generate", json={"input_ids": list(p), "sampling_params": params}, timeout=600)
+                if r.status_code != 200:
+                    raise BackendError(f"SGLang's server answered /generate with {r.status_code}: {r.text[:400]}")
+                return r.json(), time.perf_counter() - t0
+
+            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
+                results = list(pool.map(one, prompts))
+            wall = time.perf_counter() - t0
+            after = e.counters()
+            counters = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+            reqs = [request_output(d, 0.0, back, spec, self.k) for d, back in results]
+            metas = [d.get("meta_info", {}) for d, _ in results]
+        else:
+            got = e.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "sampling": params})
+            wall = got["wall_s"]
+            reqs = [request_output(d, 0.0, wall, spec, self.k) for d in got["outputs"]]
+            metas = [d.get("meta_info", {}) for d in got["outputs"]]
+        sc = batch_counters(metas, self.k) if spec else None
+        if sc is not None and "sglang:spec_verify_calls_total" in counters:
+            counters["verify_calls_match_meta_info"] = counters["sglang:spec_verify_calls_total"] == sc.drafts
+        return BatchOutput(reqs, wall, None, counters=counters, spec_counters=sc)
+
+    def describe(self) -> dict:
+        return {"engine": f"sglang ({'server on 127.0.0.1' if self.server else 'offline Engine, worker process'})",
+                "python": self.python, "model_resolved": self.model_path, "speculative_args": json.dumps(self.spec),
+                "dtype": self.cfg.dtype, "drafter": self.method["name"],
+                "time_split": "unavailable: SGLang reports no draft/verify time split"}
+
+    def close(self) -> None:
+        pass  # engines stay up for the rest of the sweep process (Pool); stopped at exit
+
+
+class SGLangServerBackend(SGLangBackend):
+    name = "sglang_server"
+    server = True
