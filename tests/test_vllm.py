@@ -198,3 +198,24 @@ def test_server_mode_bad_speculative_config_is_a_clear_error(tiny64, tmp_path):
         b.generate([[1, 2, 3]], Sampling(), 4, speculative=True)
     assert not any(s.proc.poll() is None for s in Pool.live.values() if "other" in json.dumps(s.log_path.name))
     Pool.stop_all()
+
+
+def test_mtp_on_a_mimo_layout_model(tmp_path):
+    """method=mtp: vLLM drafts with the checkpoint's own MTP layer (MiMo's layout, random weights,
+    built here); greedy output equals the baseline."""
+    from bench.tiny_models import build_tiny_llama
+
+    Pool.stop_all()
+    folder = build_tiny_llama(tmp_path / "mimo", hidden=256, heads=4, kv_heads=2, layers=8, arch="qwen2", mtp=True)
+    # Published MiMo checkpoints declare model_type "mimo" with their own config code (remote code);
+    # this one declares the Qwen2 config MiMo's extends, and vLLM picks MiMo from `architectures`.
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
+    b = VLLMBackend({"path": str(folder)}, {"name": "mtp"}, num_speculative_tokens=1, **ENGINE)
+    b.set_artifact_dir(tmp_path)
+    ids = [b.tokenize(t) for t in TEXTS]
+    base = b.generate(ids, Sampling(), 16, speculative=False)
+    spec = b.generate(ids, Sampling(), 16, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    assert spec.spec_counters.drafts > 0 and spec.spec_counters.draft_tokens == spec.spec_counters.drafts
+    Pool.stop_all()
