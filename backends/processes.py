@@ -117,8 +117,10 @@ class EngineProcess:
         self.step_log = log.with_suffix(".steps.jsonl")  # appended by the timing plugin, if installed
         self.step_log.unlink(missing_ok=True)
         self._step_offset = 0
+        # VLLM_PLUGINS: of vLLM's general plugins only specsweep's timing one loads, so another
+        # installed plugin (arctic-inference's registers patches to vLLM) cannot change what is measured.
         return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
-                "SPECSWEEP_VLLM_STEP_LOG": str(self.step_log)}
+                "SPECSWEEP_VLLM_STEP_LOG": str(self.step_log), "VLLM_PLUGINS": "specsweep_step_timing"}
 
     def new_steps(self) -> list[dict]:
         """The engine steps the timing plugin logged since the last call."""

