@@ -31,7 +31,7 @@ from pathlib import Path
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
 from .llamacpp import resolve_gguf
-from .processes import die_with_parent, free_port, stop
+from .processes import die_with_parent, free_port, stop, wait_healthy
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
@@ -102,28 +102,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         with Server._lock:
             Server._live.add(self)
-        self._wait_healthy(timeout_s)
-
-    def _wait_healthy(self, timeout_s: float):
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_tail()
-                self.stop()
-                raise BackendError(f"llama-server exited with status {self.proc.returncode} before it was ready "
-                                   f"(port {self.port}); its log ends with:\n{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        tail = self.log_tail()
-        self.stop()
-        raise BackendError(f"llama-server did not become healthy within {timeout_s:.0f} s (port {self.port}); its log "
-                           f"ends with:\n{tail}")
+        wait_healthy(self, self.url + "/health", timeout_s, "llama-server", poll_s=0.2)
 
     def log_tail(self, n: int = 12) -> str:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 from bench.backend import BackendError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request to a server of ours
 
 
 def die_with_parent():
@@ -75,6 +77,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(server, url: str, timeout_s: float, name: str, exited_error=BackendError, poll_s: float = 0.5):
+    """Poll url until it answers 200. A server that exits first (exited_error: ValueError where
+    that means a configuration it refused) or is not healthy within timeout_s is stopped, and the
+    error carries its log's tail. `server` has proc, stop(), log_tail(n) and log_path."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            tail = server.log_tail(25)
+            server.stop()
+            raise exited_error(f"{name} exited with status {server.proc.returncode} before it was ready ({url}); log "
+                               f"{server.log_path} ends with:\n{tail}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    tail = server.log_tail()
+    server.stop()
+    raise BackendError(f"{name} was not healthy within {timeout_s:.0f} s ({url}); raise backend.startup_timeout_s if "
+                       f"the machine is slow. Its log ends with:\n{tail}")
+
+
 class Pool:
     """Engines kept for the sweep process, reused for every batch size and workload: two at most
     (a baseline and the latest speculative one, each holding its share of RAM or GPU memory),
@@ -108,7 +135,9 @@ class EngineProcess:
     """What an engine process of an adapter has: a log in the job folder, and a step-timing log
     that engines with a timing plugin append to (vLLM: backends/vllm_timing.py)."""
 
-    def _open_logs(self, log: Path, header: str) -> dict:
+    def _open_logs(self, log: Path, header: str, extra_env=None) -> dict:
+        """Open the log; return the child's environment (the checkout on PYTHONPATH, plus what
+        extra_env(step_log) adds: an engine's own switches for its timing plugin)."""
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")
@@ -117,10 +146,8 @@ class EngineProcess:
         self.step_log = log.with_suffix(".steps.jsonl")  # appended by the timing plugin, if installed
         self.step_log.unlink(missing_ok=True)
         self._step_offset = 0
-        # VLLM_PLUGINS: of vLLM's general plugins only specsweep's timing one loads, so another
-        # installed plugin (arctic-inference's registers patches to vLLM) cannot change what is measured.
         return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
-                "SPECSWEEP_VLLM_STEP_LOG": str(self.step_log), "VLLM_PLUGINS": "specsweep_step_timing"}
+                **(extra_env(self.step_log) if extra_env else {})}
 
     def new_steps(self) -> list[dict]:
         """The engine steps the timing plugin logged since the last call."""
@@ -140,15 +167,42 @@ class EngineProcess:
             return ""
 
 
+class ServerProcess(EngineProcess):
+    """An engine's HTTP server on 127.0.0.1, on a free port, in a process group of its own so that
+    stopping it also stops the processes it starts (an engine core, workers). It is ready when
+    /health answers 200. If it exits before that, the engine refused its configuration: a
+    ValueError with its log's tail."""
+
+    def __init__(self, command, log: Path, timeout_s: float, engine: str, extra_env=None):
+        """command(port) -> the argument list that starts the server on that port."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = command(self.port)
+        env = self._open_logs(log, "$ " + " ".join(cmd), extra_env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+        wait_healthy(self, self.url + "/health", timeout_s, engine, exited_error=ValueError)
+
+    def metrics_page(self) -> str:
+        import httpx
+
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def stop(self):
+        stop_group(self.proc)
+        self._log.close()
+
+
 class Worker(EngineProcess):
     """One engine in offline mode (vllm.LLM, sglang.Engine) in its own process: `python -m module`
     with the engine's interpreter, speaking JSON lines (requests on stdin, answers on the file
     descriptor SPECSWEEP_ANSWER_FD; the engine's own output goes to the log). The first request
     is {"op": "init", "llm": init_args}; a refusal there is the engine refusing its configuration."""
 
-    def __init__(self, python: str, module: str, init_args: dict, log: Path, timeout_s: float, engine: str):
+    def __init__(self, python: str, module: str, init_args: dict, log: Path, timeout_s: float, engine: str,
+                 extra_env=None):
         self.engine = engine  # its name in messages
-        env = self._open_logs(log, f"$ {module} " + json.dumps(init_args))
+        env = self._open_logs(log, f"$ {module} " + json.dumps(init_args), extra_env)
         r, w = os.pipe()
         env["SPECSWEEP_ANSWER_FD"] = str(w)
         self.proc = subprocess.Popen([python, "-m", module], stdin=subprocess.PIPE, stdout=self._log,

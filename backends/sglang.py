@@ -43,7 +43,7 @@ from pathlib import Path
 
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .processes import EngineProcess, Pool, Worker, die_with_parent, free_port, stop_group
+from .processes import Pool, ServerProcess, Worker
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
 ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
@@ -144,51 +144,21 @@ def sglang_python(configured: str | None) -> str:
                      "`pip install sglang`, or set backend.python / SPECSWEEP_SGLANG_PYTHON to an interpreter with it")
 
 
-class SGLangServer(EngineProcess):
-    """One `python -m sglang.launch_server` on 127.0.0.1."""
+class SGLangServer(ServerProcess):
+    """One `python -m sglang.launch_server --enable-metrics` on 127.0.0.1."""
 
     def __init__(self, python: str, args: dict, log: Path, timeout_s: float):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port), "--enable-metrics"]
+        flags = []
         for key, value in args.items():
             if value is True:
-                cmd.append("--" + key.replace("_", "-"))
+                flags.append("--" + key.replace("_", "-"))
             elif value is not False and value is not None:
-                cmd += ["--" + key.replace("_", "-"), str(value)]
-        env = self._open_logs(log, "$ " + " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=die_with_parent)
-        self._wait_healthy(timeout_s)
-
-    def _wait_healthy(self, timeout_s: float):
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_tail(25)
-                self.stop()
-                raise ValueError(f"SGLang's server exited (status {self.proc.returncode}) before it was ready, which is "
-                                 f"what a configuration it refuses looks like; log {self.log_path} ends with:\n{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        tail = self.log_tail()
-        self.stop()
-        raise BackendError(f"SGLang's server was not healthy within {timeout_s:.0f} s; its log ends with:\n{tail}")
+                flags += ["--" + key.replace("_", "-"), str(value)]
+        super().__init__(lambda port: [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
+                                       "--enable-metrics"] + flags, log, timeout_s, "SGLang's server")
 
     def counters(self) -> dict:
-        import httpx
-
-        return metrics_counters(httpx.get(self.url + "/metrics", timeout=30).text)
-
-    def stop(self):
-        stop_group(self.proc)
-        self._log.close()
+        return metrics_counters(self.metrics_page())
 
 
 class SGLangBackend(Backend):

@@ -69,6 +69,13 @@ PLUGIN = "specsweep_step_timing"  # the entry point name in backends/vllm_plugin
 PLUGIN_DIR = REPO_ROOT / "backends" / "vllm_plugin"
 
 
+def plugin_env(step_log: Path) -> dict:
+    """The environment of the adapter's vLLM processes: where the timing plugin writes, and, of
+    vLLM's general plugins, only specsweep's loads, so another installed plugin (arctic-inference
+    registers patches to vLLM) cannot change what is measured."""
+    return {"SPECSWEEP_VLLM_STEP_LOG": str(step_log), "VLLM_PLUGINS": PLUGIN}
+
+
 @functools.lru_cache(maxsize=None)
 def has_timing_plugin(py: str) -> bool:
     """Whether vLLM's interpreter has specsweep's step-timing plugin registered."""
@@ -85,7 +92,7 @@ def install_plugin(py: str) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         src = shutil.copytree(PLUGIN_DIR, Path(tmp) / "plugin")
-        cmd = [py, "-m", "pip", "install", "-q", "--no-build-isolation", str(src)]
+        cmd = [py, "-m", "pip", "install", "-q", str(src)]
         print("+", " ".join(cmd), flush=True)
         return subprocess.run(cmd).returncode
 
@@ -268,7 +275,7 @@ class VLLMBackend(Backend):
         return Pool.get(key, lambda: self._start(kw, self.logdir / f"{self.name}-{name}.log"))
 
     def _start(self, kw: dict, log: Path) -> Worker:
-        return Worker(self.python, "backends.vllm_worker", kw, log, self.cfg.startup_timeout_s, "vLLM")
+        return Worker(self.python, "backends.vllm_worker", kw, log, self.cfg.startup_timeout_s, "vLLM", plugin_env)
 
     def tokenize(self, text: str) -> list[int]:
         return self._engine(False, 1).call({"op": "tokenize", "text": text})["ids"]

@@ -16,15 +16,14 @@ the server's engine process.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.backend import BackendError, BatchOutput, RequestOutput, Sampling
 
-from .processes import EngineProcess, die_with_parent, free_port, stop_group
-from .vllm import VLLMBackend, _delta
+from .processes import ServerProcess
+from .vllm import VLLMBackend, _delta, plugin_env
 
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
@@ -69,40 +68,13 @@ def spec_counters_from_metrics(text: str) -> dict:
     return out
 
 
-class Server(EngineProcess):
+class Server(ServerProcess):
     """One vLLM OpenAI-compatible server."""
 
     def __init__(self, python: str, kw: dict, log: Path, timeout_s: float):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.model = kw["model"]
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += server_args(kw)
-        env = self._open_logs(log, "$ " + " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=die_with_parent)
-        self._wait_healthy(timeout_s)
-
-    def _wait_healthy(self, timeout_s: float):
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_tail(25)
-                self.stop()
-                raise ValueError(f"vLLM's server exited (status {self.proc.returncode}) before it was ready, which is "
-                                 f"what a configuration it refuses looks like; log {self.log_path} ends with:\n{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        tail = self.log_tail()
-        self.stop()
-        raise BackendError(f"vLLM's server was not healthy within {timeout_s:.0f} s (port {self.port}); raise "
-                           f"backend.startup_timeout_s if the machine is slow. Its log ends with:\n{tail}")
+        super().__init__(lambda port: [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
+                                       str(port)] + server_args(kw), log, timeout_s, "vLLM's server", plugin_env)
 
     def post(self, path: str, body: dict, timeout: float = 60.0) -> dict:
         import httpx
@@ -113,13 +85,7 @@ class Server(EngineProcess):
         return r.json()
 
     def counters(self) -> dict:
-        import httpx
-
-        return spec_counters_from_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
-
-    def stop(self):
-        stop_group(self.proc)
-        self._log.close()
+        return spec_counters_from_metrics(self.metrics_page())
 
 
 class VLLMServerBackend(VLLMBackend):

@@ -170,6 +170,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
 
     base, spec = Measurement("baseline"), Measurement("spec")
     baseline_from = "this job"
+    base_steps = None  # measured here unless a shared baseline is reused
     if c["baseline"] == "paired" or not speculative:
         for r in range(reps):  # interleaved: baseline, method, baseline, method, ...
             _measure_once(backend, "base", base, ids, batches, c, r, progress)
@@ -186,6 +187,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                 base_tp = read_json(done)["throughputs"]
                 base_req = pd.read_parquet(bdir / "requests.parquet")
                 base_cyc = pd.read_parquet(bdir / "cycles.parquet")
+                base_steps = pd.read_parquet(bdir / "steps.parquet") if (bdir / "steps.parquet").exists() else None
                 baseline_from = f"shared {bdir.name} (reused)"
                 if progress:
                     progress(reps * len(batches))
@@ -196,6 +198,8 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                 base_tp = [base.throughput(r) for r in base.repeats()]
                 write_parquet(bdir / "requests.parquet", base_req)
                 write_parquet(bdir / "cycles.parquet", base_cyc)
+                if len(base.steps_table()):
+                    write_parquet(bdir / "steps.parquet", base.steps_table())
                 write_json(done, {"throughputs": base_tp, "identity": baseline_identity(c)})
                 baseline_from = f"shared {bdir.name} (measured here)"
         for r in range(reps):
@@ -218,12 +222,13 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
     out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
                          [spec.throughput(r) for r in spec.repeats()] if speculative else base_tp, speculative,
-                         sum(counters[1:], counters[0]) if counters else None, spec.steps_table()))
+                         sum(counters[1:], counters[0]) if counters else None, spec.steps_table(),
+                         base.steps_table() if base_steps is None else base_steps))
     return out
 
 
 def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool, counters=None,
-              spec_steps=None) -> dict:
+              spec_steps=None, base_steps=None) -> dict:
     """Every metric of DESIGN.md from the measured tables; where the engine keeps no per-cycle
     trace, acceptance comes from its counters (a SpecCounters total), and the time split from its
     timed engine steps where it has them (decode steps only, as for cycles), under the same
@@ -263,6 +268,11 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
             if len(decode):
                 s.update(metrics.time_fractions(decode, keys=("repeat", "batch", "step")))
                 s["time_split"] = "measured: decode steps timed inside the engine (steps.parquet)"
+                # cost ratios from steps in which every row verified a full draft of k tokens
+                full = decode[decode.spec_tokens == decode.rows * k]
+                plain = base_steps[base_steps.decode] if base_steps is not None and len(base_steps) else pd.DataFrame()
+                s.update(_cost_ratios(full.t_verify if len(full) else [], full.t_draft if len(full) else [],
+                                      plain.t_verify if len(plain) else [], k, s["acceptance_rate"]))
             else:
                 s["time_split"] = "unavailable: the engine reports no draft/verify time split"
         return s
@@ -278,14 +288,21 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
     sc = metrics.batched_cycles(cyc)
     bc = metrics.batched_cycles(base_cyc) if len(base_cyc) else base_cyc
     full = sc[sc.kmax == k]
-    if len(bc) and len(full):
-        step = float(np.median(bc.t_verify))
-        s["verify_cost_ratio"] = metrics.verify_cost_ratio(full.t_verify, bc.t_verify)
-        s["draft_cost_ratio"] = float(np.median(full.t_draft)) / k / step
-    else:
-        s["verify_cost_ratio"] = s["draft_cost_ratio"] = math.nan
-    s["predicted_speedup"] = metrics.predicted_speedup(s["acceptance_rate"], k, s["draft_cost_ratio"], s["verify_cost_ratio"])
+    s.update(_cost_ratios(full.t_verify if len(full) else [], full.t_draft if len(full) else [],
+                          bc.t_verify if len(bc) else [], k, s["acceptance_rate"]))
     return s
+
+
+def _cost_ratios(full_t_verify, full_t_draft, plain_t_verify, k: int, alpha: float) -> dict:
+    """verify_cost_ratio, draft_cost_ratio and predicted_speedup from the verify and draft times
+    of cycles (or engine steps) that drafted a full k, against the plain decode steps of the
+    baseline at the same batch shape."""
+    if not len(full_t_verify) or not len(plain_t_verify):
+        return {"verify_cost_ratio": math.nan, "draft_cost_ratio": math.nan, "predicted_speedup": math.nan}
+    step = float(np.median(plain_t_verify))
+    r = metrics.verify_cost_ratio(full_t_verify, plain_t_verify)
+    c = float(np.median(full_t_draft)) / k / step
+    return {"verify_cost_ratio": r, "draft_cost_ratio": c, "predicted_speedup": metrics.predicted_speedup(alpha, k, c, r)}
 
 
 def _lossless(c, base_req, spec_req):
