@@ -251,10 +251,19 @@ class VLLMBackend(Backend):
         if missing_for(self.python, self.method["name"]):
             raise ValueError(missing_for(self.python, self.method["name"]))
         self.timed = has_timing_plugin(self.python)
+        self.threads = None  # known once the timing plugin has logged a step
         self.logdir = Path.cwd()
 
     def set_artifact_dir(self, path) -> None:
         self.logdir = Path(path)
+
+    def _take_steps(self, engine) -> list[dict] | None:
+        """The engine steps the timing plugin logged for the batch just run; they also say how
+        many threads the engine process uses (vLLM's CPU backend binds them itself)."""
+        steps = engine.new_steps()
+        if steps:
+            self.threads = steps[-1].get("threads", self.threads)
+        return steps or None
 
     def _llm_kwargs(self, spec: dict | None) -> dict:
         kw = {"model": self.model_path, "dtype": self.cfg.dtype, "max_model_len": self.cfg.max_model_len,
@@ -298,11 +307,12 @@ class VLLMBackend(Backend):
                                       finished_by="eos" if r["finish_reason"] == "stop" else "length"))
         counters = _delta(got["before"], got["after"], self.k) if spec else None
         return BatchOutput(reqs, got["wall_s"], None, counters={"before": got["before"], "after": got["after"]} if spec else {},
-                           spec_counters=counters, steps=w.new_steps() or None)
+                           spec_counters=counters, steps=self._take_steps(w))
 
     def describe(self) -> dict:
         return {"engine": "vllm (offline LLM, worker process)", "python": self.python, "model_resolved": self.model_path,
                 "speculative_config": json.dumps(self.spec), "dtype": self.cfg.dtype, "drafter": self.method["name"],
+                "threads": self.threads,
                 "time_split": ("measured: engine steps timed by specsweep's vllm.general_plugins entry point" if self.timed
                                else f"unavailable: vLLM reports none, and specsweep's timing plugin is not installed in "
                                     f"{self.python} (run specsweep-install-vllm)")}

@@ -138,10 +138,10 @@ class VLLMServerBackend(VLLMBackend):
             raise BackendError(f"vLLM's server request failed: {e}; its log ends with:\n{s.log_tail()}") from e
         wall = time.perf_counter() - t0
         if not spec:
-            return BatchOutput(reqs, wall, None, steps=s.new_steps() or None)
+            return BatchOutput(reqs, wall, None, steps=self._take_steps(s))
         after = s.counters()
         return BatchOutput(reqs, wall, None, counters={"before": before, "after": after},
-                           spec_counters=_delta(before, after, self.k), steps=s.new_steps() or None)
+                           spec_counters=_delta(before, after, self.k), steps=self._take_steps(s))
 
     def describe(self) -> dict:
         return {**super().describe(), "engine": "vllm (OpenAI-compatible server on 127.0.0.1)"}

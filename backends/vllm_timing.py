@@ -107,6 +107,7 @@ def install(path: str) -> None:
                 p["t_other"] = max(p["t_total"] - p["t_verify"] - p["t_draft"], 0.0)
                 p["step"] = state["step"]
                 p["pid"] = os.getpid()
+                p["threads"] = torch.get_num_threads()  # vLLM's CPU backend binds its own (VLLM_CPU_OMP_THREADS_BIND)
                 state["step"] += 1
                 state["pending"] = None
                 out.write(json.dumps(p) + "\n")
