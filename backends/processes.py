@@ -216,7 +216,8 @@ class Worker(EngineProcess):
 
     def call(self, req: dict, timeout_s: float | None = None) -> dict:
         if self.proc.poll() is not None:
-            raise BackendError(f"the {self.engine} worker has exited ({self.proc.returncode}); its log ends with:\n{self.log_tail()}")
+            raise BackendError(f"the {self.engine} worker has exited ({self.proc.returncode}); its log ends "
+                               f"with:\n{self.log_tail()}")
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         box = {}

@@ -89,6 +89,13 @@ def speculative_args(method: dict, k: int) -> dict:
     return args
 
 
+def engine_args(model_path: str, cfg: SGLangConfig, spec: dict) -> dict:
+    """ServerArgs fields (sglang.Engine keyword arguments; launch_server's flags with - for _)."""
+    return {"model_path": model_path, "dtype": cfg.dtype, "context_length": cfg.context_length,
+            "max_running_requests": cfg.max_running_requests, "mem_fraction_static": cfg.mem_fraction_static,
+            "disable_cuda_graph": cfg.disable_cuda_graph, "random_seed": 0, **spec}
+
+
 def request_counts(meta: dict, k: int) -> tuple[int, int, int, list[int]]:
     """One finished request's meta_info as (verify steps with a draft, draft tokens, accepted
     draft tokens, accepted per draft position). A request without spec fields (finished at its
@@ -185,10 +192,7 @@ class SGLangBackend(Backend):
         self.logdir = Path(path)
 
     def _args(self, speculative: bool) -> dict:
-        args = {"model_path": self.model_path, "dtype": self.cfg.dtype, "context_length": self.cfg.context_length,
-                "max_running_requests": self.cfg.max_running_requests, "mem_fraction_static": self.cfg.mem_fraction_static,
-                "disable_cuda_graph": self.cfg.disable_cuda_graph, "random_seed": 0}
-        return {**args, **(self.spec if speculative else {})}
+        return engine_args(self.model_path, self.cfg, self.spec if speculative else {})
 
     def _engine(self, speculative: bool, batch: int):
         if batch > self.cfg.max_running_requests:

@@ -127,8 +127,9 @@ def install_suffix(py: str) -> int:
         tools, wheels = Path(tmp) / "tools", Path(tmp) / "wheels"
         env = {**os.environ, "PYTHONPATH": str(tools), "PATH": f"{tools / 'bin'}:{os.environ.get('PATH', '')}",
                "CMAKE_ARGS": f"-DPython_EXECUTABLE={py}"}
-        steps = [[py, "-m", "pip", "install", "-q", "--target", str(tools), "nanobind==2.9.2", "grpcio-tools",
-                  "setuptools", "wheel"] + ([] if shutil.which("cmake") else ["cmake"]) + ([] if shutil.which("ninja") else ["ninja"]),
+        tool_pkgs = ["nanobind==2.9.2", "grpcio-tools", "setuptools", "wheel"] + [
+            t for t in ("cmake", "ninja") if not shutil.which(t)]
+        steps = [[py, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target", str(tools)] + tool_pkgs,
                  [py, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-binary", "arctic-inference",
                   "-w", str(wheels), ARCTIC]]
         for cmd in steps:

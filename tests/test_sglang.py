@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from backends.sglang import (SGLangBackend, SGLangConfig, batch_counters, metrics_counters, request_counts,
-                             request_output, sglang_python, speculative_args)
+from backends.sglang import (SGLangBackend, SGLangConfig, batch_counters, engine_args, metrics_counters,
+                             request_counts, request_output, sglang_python, speculative_args)
 from bench import metrics
 
 K = 3
@@ -97,6 +97,18 @@ def test_methods_map_to_sglang_arguments():
     a = speculative_args({"name": "eagle3", "head_path": "/h"}, 5)
     assert a["speculative_algorithm"] == "EAGLE3" and a["speculative_draft_model_path"] == "/h"
     assert speculative_args({"name": "draft_model", "draft_path": "/d"}, 2)["speculative_algorithm"] == "STANDALONE"
+
+
+# ServerArgs fields the adapter sets, as SGLang 0.5.23 declares them (srt/arg_groups/field_order.py)
+SGLANG_FIELDS = {"model_path", "dtype", "context_length", "max_running_requests", "mem_fraction_static",
+                 "disable_cuda_graph", "random_seed", "speculative_algorithm", "speculative_num_steps",
+                 "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_draft_model_path"}
+
+
+def test_engine_arguments_are_sglang_server_args_fields():
+    for method in ({"name": "autoregressive"}, {"name": "ngram"}, {"name": "eagle3", "head_path": "/h"},
+                   {"name": "draft_model", "draft_path": "/d"}):
+        assert set(engine_args("/m", SGLangConfig(), speculative_args(method, K))) <= SGLANG_FIELDS
 
 
 def test_bad_input_is_a_clear_error():
