@@ -128,12 +128,13 @@ def metrics_counters(text: str) -> dict:
     return out
 
 
-def request_output(d: dict, submitted_s: float, returned_s: float, spec: bool, k: int) -> RequestOutput:
-    """One /generate (or Engine.generate) result as a RequestOutput; TTFT from meta_info's
-    first_token_latency when SGLang reports it, else the time the result came back."""
+def request_output(d: dict, returned_s: float, spec: bool, k: int) -> RequestOutput:
+    """One /generate (or Engine.generate) result as a RequestOutput: latencies from meta_info
+    (first_token_latency, e2e_latency) where SGLang reports them, else the time since the batch
+    was submitted at which the result came back."""
     meta = d.get("meta_info", {})
     ttft = meta.get("first_token_latency")
-    e2e = meta.get("e2e_latency") or (returned_s - submitted_s)
+    e2e = meta.get("e2e_latency") or returned_s
     finish = (meta.get("finish_reason") or {}).get("type")
     drafted = accepted = None
     if spec:
@@ -200,7 +201,8 @@ class SGLangBackend(Backend):
                              f"{self.cfg.max_running_requests}; raise it so the whole batch runs together")
         args = self._args(speculative)
         key = json.dumps([self.name, self.python, args], sort_keys=True)
-        log = self.logdir / f"{self.name}-{self.spec.get('speculative_algorithm', 'baseline') if speculative else 'baseline'}.log"
+        kind = self.spec.get("speculative_algorithm", "baseline") if speculative else "baseline"
+        log = self.logdir / f"{self.name}-{kind}.log"
         if self.server:
             return Pool.get(key, lambda: SGLangServer(self.python, args, log, self.cfg.startup_timeout_s))
         return Pool.get(key, lambda: Worker(self.python, "backends.sglang_worker", args, log, self.cfg.startup_timeout_s,
@@ -241,17 +243,20 @@ class SGLangBackend(Backend):
                     raise BackendError(f"SGLang's server answered /generate with {r.status_code}: {r.text[:400]}")
                 return r.json(), time.perf_counter() - t0
 
-            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
-                results = list(pool.map(one, prompts))
+            try:
+                with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
+                    results = list(pool.map(one, prompts))
+            except httpx.HTTPError as err:
+                raise BackendError(f"SGLang's server request failed: {err}; its log ends with:\n{e.log_tail()}") from err
             wall = time.perf_counter() - t0
             after = e.counters()
             counters = {key: after.get(key, 0) - before.get(key, 0) for key in after}
-            reqs = [request_output(d, 0.0, back, spec, self.k) for d, back in results]
+            reqs = [request_output(d, back, spec, self.k) for d, back in results]
             metas = [d.get("meta_info", {}) for d, _ in results]
         else:
             got = e.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "sampling": params})
             wall = got["wall_s"]
-            reqs = [request_output(d, 0.0, wall, spec, self.k) for d in got["outputs"]]
+            reqs = [request_output(d, wall, spec, self.k) for d in got["outputs"]]
             metas = [d.get("meta_info", {}) for d in got["outputs"]]
         sc = batch_counters(metas, self.k) if spec else None
         if sc is not None and "sglang:spec_verify_calls_total" in counters:

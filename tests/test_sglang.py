@@ -66,10 +66,10 @@ def test_batch_counters_map_to_design_metrics_and_differ_from_sglangs_accept_len
 
 def test_request_output_reads_ids_latencies_and_finish_reason():
     d = {"output_ids": [5, 6, 7], "meta_info": sglang_shaped_meta([2], finish="stop")}
-    r = request_output(d, 0.0, 0.9, True, K)
+    r = request_output(d, 0.9, True, K)
     assert r.output_token_ids == [5, 6, 7] and r.finished_by == "eos"
     assert (r.ttft_s, r.e2e_s, r.drafted, r.accepted) == (0.05, 0.5, 3, 2)
-    base = request_output({"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}}, 0.0, 0.7, False, K)
+    base = request_output({"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}}, 0.7, False, K)
     assert base.finished_by == "length" and base.e2e_s == 0.7 and base.drafted is None
 
 
