@@ -25,13 +25,12 @@ import subprocess
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
 from .llamacpp import resolve_gguf
-from .processes import die_with_parent, free_port, stop, wait_healthy
+from .processes import die_with_parent, free_port, send_together, stop, wait_healthy
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
@@ -200,11 +199,7 @@ class LlamaServerBackend(Backend):
                 raise BackendError(f"llama-server answered {r.status_code}: {r.text[:300]}")
             return r.json(), time.perf_counter() - t0
 
-        try:
-            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
-                results = list(pool.map(one, prompts))
-        except httpx.HTTPError as e:
-            raise BackendError(f"llama-server request failed: {e}; log:\n{s.log_tail()}") from e
+        results = send_together(one, prompts, "llama-server", s)
         wall = time.perf_counter() - t0
         after = self._metrics(s)
         reqs = []

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.backend import BackendError
@@ -100,6 +101,18 @@ def wait_healthy(server, url: str, timeout_s: float, name: str, exited_error=Bac
     server.stop()
     raise BackendError(f"{name} was not healthy within {timeout_s:.0f} s ({url}); raise backend.startup_timeout_s if "
                        f"the machine is slow. Its log ends with:\n{tail}")
+
+
+def send_together(one, prompts, engine: str, server) -> list:
+    """A batch's requests sent at once, one thread each (concurrency = batch size), results in
+    order. An HTTP failure is a BackendError with the server log's tail."""
+    import httpx
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            return list(pool.map(one, prompts))
+    except httpx.HTTPError as e:
+        raise BackendError(f"{engine} request failed: {e}; its log ends with:\n{server.log_tail()}") from e
 
 
 class Pool:

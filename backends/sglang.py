@@ -37,13 +37,12 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .processes import Pool, ServerProcess, Worker
+from .processes import Pool, ServerProcess, Worker, send_together
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
 ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
@@ -243,11 +242,7 @@ class SGLangBackend(Backend):
                     raise BackendError(f"SGLang's server answered /generate with {r.status_code}: {r.text[:400]}")
                 return r.json(), time.perf_counter() - t0
 
-            try:
-                with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
-                    results = list(pool.map(one, prompts))
-            except httpx.HTTPError as err:
-                raise BackendError(f"SGLang's server request failed: {err}; its log ends with:\n{e.log_tail()}") from err
+            results = send_together(one, prompts, "SGLang's server", e)
             wall = time.perf_counter() - t0
             after = e.counters()
             counters = {key: after.get(key, 0) - before.get(key, 0) for key in after}

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.backend import BackendError, BatchOutput, RequestOutput, Sampling
 
-from .processes import ServerProcess
+from .processes import ServerProcess, send_together
 from .vllm import VLLMBackend, _delta, plugin_env
 
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -131,11 +130,7 @@ class VLLMServerBackend(VLLMBackend):
                 raise BackendError(f"vLLM's server streamed no tokens for a prompt of {len(prompt)} tokens")
             return RequestOutput(ids, times[0], times[-1], times, finished_by="eos" if finish == "stop" else "length")
 
-        try:
-            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # concurrency = batch size
-                reqs = list(pool.map(one, prompts))
-        except httpx.HTTPError as e:
-            raise BackendError(f"vLLM's server request failed: {e}; its log ends with:\n{s.log_tail()}") from e
+        reqs = send_together(one, prompts, "vLLM's server", s)
         wall = time.perf_counter() - t0
         if not spec:
             return BatchOutput(reqs, wall, None, steps=self._take_steps(s))
