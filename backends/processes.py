@@ -103,6 +103,21 @@ def wait_healthy(server, url: str, timeout_s: float, name: str, exited_error=Bac
                        f"the machine is slow. Its log ends with:\n{tail}")
 
 
+def cli_flags(args: dict) -> list[str]:
+    """Keyword arguments as an engine server's command-line flags: key_name -> --key-name VALUE;
+    True -> the bare flag; False and None -> nothing; a dict -> its JSON."""
+    flags = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 def send_together(one, prompts, engine: str, server) -> list:
     """A batch's requests sent at once, one thread each (concurrency = batch size), results in
     order. An HTTP failure is a BackendError with the server log's tail."""

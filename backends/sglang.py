@@ -42,7 +42,7 @@ from pathlib import Path
 
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .processes import Pool, ServerProcess, Worker, send_together
+from .processes import Pool, ServerProcess, Worker, cli_flags, send_together
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
 ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
@@ -155,14 +155,8 @@ class SGLangServer(ServerProcess):
     """One `python -m sglang.launch_server --enable-metrics` on 127.0.0.1."""
 
     def __init__(self, python: str, args: dict, log: Path, timeout_s: float):
-        flags = []
-        for key, value in args.items():
-            if value is True:
-                flags.append("--" + key.replace("_", "-"))
-            elif value is not False and value is not None:
-                flags += ["--" + key.replace("_", "-"), str(value)]
         super().__init__(lambda port: [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
-                                       "--enable-metrics"] + flags, log, timeout_s, "SGLang's server")
+                                       "--enable-metrics"] + cli_flags(args), log, timeout_s, "SGLang's server")
 
     def counters(self) -> dict:
         return metrics_counters(self.metrics_page())

@@ -26,10 +26,9 @@ from pathlib import Path
 
 from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .processes import Pool, Worker
+from .processes import REPO_ROOT, Pool, Worker
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp", "suffix")
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -249,8 +248,9 @@ class VLLMBackend(Backend):
 
         self.model_path = str(export_hf_folder(str(model["path"])))
         self.python = vllm_python(self.cfg.python)
-        if missing_for(self.python, self.method["name"]):
-            raise ValueError(missing_for(self.python, self.method["name"]))
+        missing = missing_for(self.python, self.method["name"])
+        if missing:
+            raise ValueError(missing)
         self.timed = has_timing_plugin(self.python)
         self.threads = None  # known once the timing plugin has logged a step
         self.logdir = Path.cwd()

@@ -21,28 +21,10 @@ from pathlib import Path
 
 from bench.backend import BackendError, BatchOutput, RequestOutput, Sampling
 
-from .processes import ServerProcess, send_together
+from .processes import ServerProcess, cli_flags, send_together
 from .vllm import VLLMBackend, _delta, plugin_env
 
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-def server_args(kw: dict) -> list[str]:
-    """vllm.LLM keyword arguments (VLLMBackend._llm_kwargs) as the server's command-line flags."""
-    args = []
-    for key, value in kw.items():
-        flag = "--" + key.replace("_", "-")
-        if key == "disable_log_stats":
-            if value:
-                args.append(flag)
-        elif isinstance(value, bool):
-            if value:
-                args.append(flag)
-        elif isinstance(value, dict):
-            args += [flag, json.dumps(value)]
-        else:
-            args += [flag, str(value)]
-    return args
 
 
 def spec_counters_from_metrics(text: str) -> dict:
@@ -73,7 +55,7 @@ class Server(ServerProcess):
     def __init__(self, python: str, kw: dict, log: Path, timeout_s: float):
         self.model = kw["model"]
         super().__init__(lambda port: [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
-                                       str(port)] + server_args(kw), log, timeout_s, "vLLM's server", plugin_env)
+                                       str(port)] + cli_flags(kw), log, timeout_s, "vLLM's server", plugin_env)
 
     def post(self, path: str, body: dict, timeout: float = 60.0) -> dict:
         import httpx

@@ -170,7 +170,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
 
     base, spec = Measurement("baseline"), Measurement("spec")
     baseline_from = "this job"
-    base_steps = None  # measured here unless a shared baseline is reused
+    base_steps = None  # the baseline's timed steps: read here from a reused shared baseline, else from `base`
     if c["baseline"] == "paired" or not speculative:
         for r in range(reps):  # interleaved: baseline, method, baseline, method, ...
             _measure_once(backend, "base", base, ids, batches, c, r, progress)
@@ -187,7 +187,8 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                 base_tp = read_json(done)["throughputs"]
                 base_req = pd.read_parquet(bdir / "requests.parquet")
                 base_cyc = pd.read_parquet(bdir / "cycles.parquet")
-                base_steps = pd.read_parquet(bdir / "steps.parquet") if (bdir / "steps.parquet").exists() else None
+                steps_file = bdir / "steps.parquet"
+                base_steps = pd.read_parquet(steps_file) if steps_file.exists() else pd.DataFrame()
                 baseline_from = f"shared {bdir.name} (reused)"
                 if progress:
                     progress(reps * len(batches))
@@ -198,8 +199,9 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                 base_tp = [base.throughput(r) for r in base.repeats()]
                 write_parquet(bdir / "requests.parquet", base_req)
                 write_parquet(bdir / "cycles.parquet", base_cyc)
-                if len(base.steps_table()):
-                    write_parquet(bdir / "steps.parquet", base.steps_table())
+                measured_steps = base.steps_table()
+                if len(measured_steps):
+                    write_parquet(bdir / "steps.parquet", measured_steps)
                 write_json(done, {"throughputs": base_tp, "identity": baseline_identity(c)})
                 baseline_from = f"shared {bdir.name} (measured here)"
         for r in range(reps):
@@ -212,9 +214,11 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     cycles = pd.concat([base_cyc, spec_cyc], ignore_index=True)
     write_parquet(jdir / "requests.parquet", requests)
     write_parquet(jdir / "cycles.parquet", cycles)
-    steps = pd.concat([base.steps_table(), spec.steps_table()], ignore_index=True)
-    if len(steps):
-        write_parquet(jdir / "steps.parquet", steps)
+    own_base_steps, spec_steps = base.steps_table(), spec.steps_table()  # own: empty if a shared baseline was reused
+    if base_steps is None:
+        base_steps = own_base_steps
+    if len(own_base_steps) or len(spec_steps):
+        write_parquet(jdir / "steps.parquet", pd.concat([own_base_steps, spec_steps], ignore_index=True))
 
     engine = backend.describe()
     out = {"baseline_from": baseline_from, "engine": engine, "drafter": engine.get("drafter")}
@@ -222,8 +226,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
     out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
                          [spec.throughput(r) for r in spec.repeats()] if speculative else base_tp, speculative,
-                         sum(counters[1:], counters[0]) if counters else None, spec.steps_table(),
-                         base.steps_table() if base_steps is None else base_steps))
+                         sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps))
     return out
 
 
@@ -271,8 +274,7 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
                 # cost ratios from steps in which every row verified a full draft of k tokens
                 full = decode[decode.spec_tokens == decode.rows * k]
                 plain = base_steps[base_steps.decode] if base_steps is not None and len(base_steps) else pd.DataFrame()
-                s.update(_cost_ratios(full.t_verify if len(full) else [], full.t_draft if len(full) else [],
-                                      plain.t_verify if len(plain) else [], k, s["acceptance_rate"]))
+                s.update(_cost_ratios(full, plain, k, s["acceptance_rate"]))
             else:
                 s["time_split"] = "unavailable: the engine reports no draft/verify time split"
         return s
@@ -288,20 +290,19 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
     sc = metrics.batched_cycles(cyc)
     bc = metrics.batched_cycles(base_cyc) if len(base_cyc) else base_cyc
     full = sc[sc.kmax == k]
-    s.update(_cost_ratios(full.t_verify if len(full) else [], full.t_draft if len(full) else [],
-                          bc.t_verify if len(bc) else [], k, s["acceptance_rate"]))
+    s.update(_cost_ratios(full, bc, k, s["acceptance_rate"]))
     return s
 
 
-def _cost_ratios(full_t_verify, full_t_draft, plain_t_verify, k: int, alpha: float) -> dict:
-    """verify_cost_ratio, draft_cost_ratio and predicted_speedup from the verify and draft times
-    of cycles (or engine steps) that drafted a full k, against the plain decode steps of the
-    baseline at the same batch shape."""
-    if not len(full_t_verify) or not len(plain_t_verify):
+def _cost_ratios(full: pd.DataFrame, plain: pd.DataFrame, k: int, alpha: float) -> dict:
+    """verify_cost_ratio, draft_cost_ratio and predicted_speedup from the t_verify and t_draft of
+    cycles (or engine steps) that drafted a full k, against the t_verify of the baseline's plain
+    decode steps at the same batch shape."""
+    if not len(full) or not len(plain):
         return {"verify_cost_ratio": math.nan, "draft_cost_ratio": math.nan, "predicted_speedup": math.nan}
-    step = float(np.median(plain_t_verify))
-    r = metrics.verify_cost_ratio(full_t_verify, plain_t_verify)
-    c = float(np.median(full_t_draft)) / k / step
+    step = float(np.median(plain.t_verify))
+    r = metrics.verify_cost_ratio(full.t_verify, plain.t_verify)
+    c = float(np.median(full.t_draft)) / k / step
     return {"verify_cost_ratio": r, "draft_cost_ratio": c, "predicted_speedup": metrics.predicted_speedup(alpha, k, c, r)}
 
 

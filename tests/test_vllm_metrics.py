@@ -3,7 +3,8 @@ exposition (the counter names of vllm/v1/spec_decode/metrics.py, labels engine a
 per-position counter labelled position), read with prometheus-client's parser, and turned into
 SpecCounters deltas."""
 from backends.vllm import _delta
-from backends.vllm_server import server_args, spec_counters_from_metrics
+from backends.processes import cli_flags
+from backends.vllm_server import spec_counters_from_metrics
 
 
 def page(drafts, draft_tokens, accepted, per_pos, engines=("0",)):
@@ -35,7 +36,7 @@ def test_counters_of_two_engines_are_summed_and_other_metrics_ignored():
 
 
 def test_llm_arguments_become_server_flags():
-    args = server_args({"model": "/m", "dtype": "float32", "enforce_eager": True, "disable_log_stats": False,
+    args = cli_flags({"model": "/m", "dtype": "float32", "enforce_eager": True, "disable_log_stats": False,
                         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
     assert args[:4] == ["--model", "/m", "--dtype", "float32"] and "--enforce-eager" in args
     assert "--disable-log-stats" not in args
