@@ -1,40 +1,31 @@
 """llama.cpp in process (llama-cpp-python), behind the harness's Backend interface.
 
-The draft/verify loop is specsweep's own, on llama.cpp's low-level API: one llama_decode per
-cycle over every active row's pending token and drafts (each request its own sequence id, logits
-for every verified position), llama_synchronize at each timing boundary, and llama_memory_seq_rm
-to drop the KV of rejected drafts. So every cycle has exact t_draft / t_verify and counts, as in the
-native engine. Methods: autoregressive, ngram (the same prompt lookup as the native engine), and
-draft_model (a second GGUF sharing the vocabulary, with its own context kept in sync). The
-library's own prompt-lookup path is measured in `prompt_lookup_lib` mode, as a user calls it
-(Llama(draft_model=LlamaPromptLookupDecoding(...))); the library counts nothing, so acceptance is
-recovered by wrapping the drafter and replaying its proposals against the final output.
+"In process" means llama.cpp's library API rather than its server: the engine itself runs in a
+worker process of the same interpreter (backends/llamacpp_worker.py, where the draft/verify loop
+is), so that a crash of native code becomes a BackendError naming the signal and a job row with
+status=error, never a dead sweep or test run.
+
+Weight repacking (`backend.repack`): llama.cpp's CPU backend can re-lay quantized weights into
+"extra buffer types" (AMX tiles, interleaved Q4/Q8 blocks) for faster kernels. That path crashed
+on an AVX-512/AMX Xeon while working on AVX2 machines, so `auto` (the default) tries it once per
+CPU, library build and model in a child process (backends/cpu_probe.py) and turns it off where
+the try fails; `on` and `off` force it. Every row's engine description records which was used
+and why.
 """
 from __future__ import annotations
 
-import time
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling
-from bench.ngram import ngram_lookup
+from .cpu_probe import MODES, decide, file_identity, run_child
+from .processes import Worker
 
 METHODS = ("autoregressive", "ngram", "draft_model", "prompt_lookup_lib")
 DEFAULT_MODEL = "gemma3-270m"
-
-
-def top2_margin(logits: np.ndarray) -> tuple[int, float]:
-    """argmax and top-1 minus top-2 logit, in two passes over the row (a full partition of 262k
-    logits costs ~1.5 ms a token here, enough to slow the baseline it is measured on)."""
-    i = int(logits.argmax())
-    v = float(logits[i])
-    logits[i] = -np.inf  # a scratch view of llama.cpp's buffer, rewritten by the next decode
-    second = float(logits.max())
-    logits[i] = v
-    return i, v - second
 
 
 def resolve_gguf(path: str) -> str:
@@ -57,74 +48,79 @@ class LlamaCppConfig:
     # llama.cpp's own default (llama-server, llama-bench) is auto; llama-cpp-python's is off, which
     # measured 12% slower per decode step here.
     flash_attn: str = "auto"
+    repack: str = "auto"  # llama.cpp's weight repacking (extra buffer types): auto probes this CPU once
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 3600.0  # one batch's generate call
 
     def __post_init__(self):
+        if isinstance(self.repack, bool):  # YAML 1.1 reads a bare on/off as a boolean
+            self.repack = "on" if self.repack else "off"
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"backend.flash_attn={self.flash_attn!r} is not valid; use auto, on or off")
+        if self.repack not in MODES:
+            raise ValueError(f"backend.repack={self.repack!r} is not valid; use auto (probe this CPU once), on or off")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null")
         if self.n_ctx < 256:
             raise ValueError(f"backend.n_ctx={self.n_ctx} is not valid; use 256 or more")
+        for name in ("startup_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"backend.{name}={getattr(self, name)} is not valid; use a positive number of seconds")
 
 
-class _Context:
-    """One llama.cpp context: batched decode of (sequence, tokens, first position, logits wanted)."""
+def weight_buffers(log_lines) -> dict[str, float]:
+    """llama.cpp's `load_tensors: <BUFFER> model buffer size = <N> MiB` lines as {buffer: MiB}:
+    the ground truth of which weight layout a load used (CPU_REPACK or AMX only when repacking
+    happened; CPU_Mapped for weights used in place)."""
+    import re
 
-    def __init__(self, path: str, cfg: LlamaCppConfig, n_seq: int):
-        import llama_cpp
-        from llama_cpp._internals import LlamaBatch
+    out = {}
+    for line in log_lines:
+        m = re.search(r"(\S+) model buffer size =\s*([\d.]+) MiB", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
 
-        self.lc = llama_cpp
-        threads = cfg.threads or 2
-        self.llm = llama_cpp.Llama(path, n_ctx=cfg.n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False)
-        # Llama() sets n_seq_max only for embedding models, so a context of our own on the same
-        # weights serves the batch: one sequence per request, one KV buffer shared by them.
-        from llama_cpp import _internals
 
-        params = self.llm.context_params
-        params.n_seq_max, params.kv_unified, params.n_ctx = n_seq, True, cfg.n_ctx
-        params.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[cfg.flash_attn]
-        self.ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
-        self.mem = llama_cpp.llama_get_memory(self.ctx.ctx)
-        self.vocab = self.llm.n_vocab()
-        self.batch = LlamaBatch(n_tokens=512, embd=0, n_seq_max=n_seq)
+def gguf_tensor_bytes(path: str) -> int:
+    """Bytes of a GGUF's tensors as stored (quantized): what llama.cpp reads per decode step."""
+    from gguf import GGUFReader
 
-    def decode(self, rows) -> list[np.ndarray]:
-        b = self.batch.batch
-        self.batch.reset()
-        j, idx = 0, []
-        for seq, toks, pos0, want in rows:
-            for i, t in enumerate(toks):
-                b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j] = t, pos0 + i, seq, 1
-                b.logits[j] = bool(want[i])
-                if want[i]:
-                    idx.append(j)
-                j += 1
-        b.n_tokens = j
-        self.ctx.decode(self.batch)
-        self.lc.llama_synchronize(self.ctx.ctx)
-        # Views into llama.cpp's logits buffer, valid until the next decode: the loop reads them first.
-        return [np.ctypeslib.as_array(self.ctx.get_logits_ith(i), shape=(self.vocab,)) for i in idx]
+    return int(sum(int(t.n_bytes) for t in GGUFReader(path).tensors))
 
-    def drop_from(self, seq: int, pos: int):
-        self.lc.llama_memory_seq_rm(self.mem, seq, pos, -1)
 
-    def clear(self):
-        self.lc.llama_memory_clear(self.mem, True)
+def library_identity() -> dict:
+    """llama-cpp-python's version and the shared library it loads: a rebuild is a new identity."""
+    import llama_cpp
 
-    def close(self):
-        self.ctx.close()
-        self.llm.close()
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    libs = sorted(lib_dir.glob("libllama*.so*")) or sorted(lib_dir.glob("*llama*"))
+    return {"llama_cpp": llama_cpp.__version__, **({"lib": file_identity(libs[0])} if libs else {})}
+
+
+def repack_verdict(mode: str, gguf: str, threads: int):
+    """Whether llama-cpp-python may use llama.cpp's extra buffer types here (backend.repack)."""
+    return decide(mode, "backend.repack", "llamacpp-repack",
+                  {**library_identity(), "model": file_identity(gguf), "threads": threads},
+                  lambda: run_child([sys.executable, "-m", "backends.llamacpp_worker", "--probe", gguf,
+                                     "--threads", str(threads)], timeout_s=180,
+                                    env=Worker.child_env()))
 
 
 class LlamaCppBackend(Backend):
     name = "llamacpp"
     supported_methods = METHODS
+    ttft_source = "client"  # stamped by the loop in the worker, since the batch was submitted
+
+    def latency_contract(self) -> dict:
+        # specsweep's loop emits a cycle's tokens at once; the library's generate() yields per token
+        return {"ttft_source": "client",
+                "emit_granularity": "token" if self.method["name"] == "prompt_lookup_lib" else "cycle"}
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
-                 n_ctx: int = 8192, max_rows: int = 16, flash_attn: str = "auto", **unused):
-        self.cfg = LlamaCppConfig(threads, n_ctx, max_rows, flash_attn)
+                 n_ctx: int = 8192, max_rows: int = 16, flash_attn: str = "auto", repack: str = "auto",
+                 startup_timeout_s: float = 300.0, request_timeout_s: float = 3600.0, **unused):
+        self.cfg = LlamaCppConfig(threads, n_ctx, max_rows, flash_attn, repack, startup_timeout_s, request_timeout_s)
         self.method = dict(method)
         name = self.method.get("name")
         if name not in METHODS:
@@ -136,32 +132,56 @@ class LlamaCppBackend(Backend):
                              "llama.cpp from source, ~6-10 min on 2 cores)") from e
         self.path = resolve_gguf(model["path"])
         self.k = num_speculative_tokens
-        self.target = _Context(self.path, self.cfg, max_rows)
-        self.draft = None
+        self.draft_path = None
         if name == "draft_model":
             dpath = self.method.get("draft_path")
             if not dpath:
                 raise ValueError("method draft_model on backend llamacpp needs method.draft_path=FILE.gguf (a model "
                                  "sharing the target's vocabulary; the target itself gives a self-draft)")
-            self.draft = _Context(resolve_gguf(dpath), self.cfg, max_rows)
-            if self.draft.vocab != self.target.vocab:
-                raise ValueError(f"draft model {dpath!r} has a vocabulary of {self.draft.vocab}, the target "
-                                 f"{self.target.vocab}; a draft model must share the target's vocabulary")
-        self.eos = {self.target.llm.token_eos()}
+            self.draft_path = resolve_gguf(dpath)
+        self.threads = self.cfg.threads or 2
+        self.repack = repack_verdict(self.cfg.repack, self.path, self.threads)
+        self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llamacpp-"))
+        self.worker: Worker | None = None  # started at first use, its log in the job folder
+
+    @classmethod
+    def baseline_key(cls, method: dict) -> dict:
+        # prompt_lookup_lib's baseline is the library's own generate(); the others' is specsweep's loop
+        return {"baseline_path": "library generate()" if method.get("name") == "prompt_lookup_lib" else "specsweep loop"}
+
+    def set_artifact_dir(self, path) -> None:
+        self.logdir = Path(path)
+
+    def weight_bytes_per_step(self) -> int:
+        return gguf_tensor_bytes(self.path)
+
+    def _call(self, req: dict, timeout_s: float | None = None) -> dict:
+        if self.worker is None:
+            init = {"path": self.path, "draft_path": self.draft_path, "method": self.method, "k": self.k,
+                    "threads": self.threads, "n_ctx": self.cfg.n_ctx, "max_rows": self.cfg.max_rows,
+                    "flash_attn": self.cfg.flash_attn, "use_extra_bufts": self.repack.usable}
+            self.worker = Worker(sys.executable, "backends.llamacpp_worker", init, self.logdir / "llamacpp-worker.log",
+                                 self.cfg.startup_timeout_s, "llama.cpp")
+            self.use_extra_bufts = self.worker.init_answer["use_extra_bufts"]
+            self.weight_buffers = self.worker.init_answer["weight_buffers"]
+        return self.worker.call(req, timeout_s)
 
     # ------------------------------------------------------------------ interface
 
     def tokenize(self, text: str) -> list[int]:
-        return self.target.llm.tokenize(text.encode(), add_bos=True, special=False)
+        return self._call({"op": "tokenize", "text": text})["ids"]
 
     def detokenize(self, ids) -> str:
-        return self.target.llm.detokenize(list(ids)).decode(errors="replace")
+        return self._call({"op": "detokenize", "ids": list(ids)})["text"]
 
     def describe(self) -> dict:
         import llama_cpp
 
         return {"engine": "llama.cpp (llama-cpp-python)", "llama_cpp": llama_cpp.__version__,
-                "threads": self.cfg.threads or 2, "model_resolved": self.path, "flash_attn": self.cfg.flash_attn,
+                "threads": self.threads, "model_resolved": self.path, "flash_attn": self.cfg.flash_attn,
+                "repack": "on" if self.repack.usable else "off", "repack_reason": self.repack.reason,
+                "weight_buffers_mib": getattr(self, "weight_buffers", None),  # as llama.cpp's load reported them
+                "process": "engine in a worker process (a crash is a job error, not a dead sweep)",
                 "drafter": {"autoregressive": "none", "ngram": "n-gram prompt lookup (specsweep's loop)",
                             "draft_model": f"draft model {self.method.get('draft_path')}",
                             "prompt_lookup_lib": f"llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens={self.k})"}[
@@ -170,198 +190,14 @@ class LlamaCppBackend(Backend):
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         if len(prompts) > self.cfg.max_rows:
             raise ValueError(f"batch of {len(prompts)} exceeds backend.max_rows={self.cfg.max_rows}")
-        if self.method["name"] == "prompt_lookup_lib":
-            # The library's own path, with and without its drafter: the same engine either way.
-            return self._generate_library(prompts, sampling, max_new_tokens, speculative)
-        return self._generate_loop(prompts, sampling, max_new_tokens, speculative)
-
-    # ------------------------------------------------------------------ the draft/verify loop
-
-    def _propose(self, rows, seqs, draft_len, sp, gen):
-        name = self.method["name"]
-        if name == "ngram":
-            m = self.method
-            return [ngram_lookup(s, self.k, m.get("min_ngram", 1), m.get("max_ngram", 3), m.get("prefer_recent", True),
-                                 m.get("min_hits", 1)) for s in seqs], [None] * len(rows)
-        # draft model: feed each row's missing tail, then draft k tokens one decode at a time
-        from backends.native.sampling import select
-
-        feeds = [(r, s[draft_len[r]:], draft_len[r]) for r, s in zip(rows, seqs)]
-        drafts = [[] for _ in rows]
-        probs = [[] for _ in rows]
-        for step in range(self.k):
-            logits = self.draft.decode([(r, toks, pos, [False] * (len(toks) - 1) + [True]) for r, toks, pos in feeds])
-            nxt, p = select(torch.from_numpy(np.stack(logits)), sp, gen)  # np.stack copies out of the buffer
-            for i, r in enumerate(rows):
-                drafts[i].append(int(nxt[i]))
-                if p is not None:
-                    probs[i].append(p[i])
-            feeds = [(r, [drafts[i][-1]], len(seqs[i]) + step) for i, r in enumerate(rows)]
-        for r, s in zip(rows, seqs):
-            draft_len[r] = len(s) + self.k - 1
-        return drafts, [torch.stack(p) if p else None for p in probs]
-
-    def _generate_loop(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
-        from backends.native.sampling import SamplingParams, select, verify
-
-        sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
-        gen = torch.Generator().manual_seed(sampling.seed)
-        spec = speculative and self.method["name"] != "autoregressive"
-        T, D = self.target, self.draft if speculative else None
-        T.clear()
-        if D is not None:
-            D.clear()
-        B = len(prompts)
-        seqs = [list(p) for p in prompts]
-        outs = [[] for _ in prompts]
-        margins = [[] for _ in prompts]
-        emit = [[] for _ in prompts]
-        ttft = [0.0] * B
-        finished = ["length"] * B
-        draft_len = {}
-        cycles = []
-        t_start = time.perf_counter()
-        for b, p in enumerate(prompts):
-            lg = T.decode([(b, p, 0, [False] * (len(p) - 1) + [True])])[0]
-            if D is not None:
-                D.decode([(b, p, 0, [False] * (len(p) - 1) + [True])])
-                draft_len[b] = len(p)
-            if sp.greedy and not spec:
-                tok, margin = top2_margin(lg)
-                margins[b].append(margin)
-            elif sp.greedy:
-                tok = int(lg.argmax())
-            else:
-                tok = int(select(torch.from_numpy(lg[None].copy()), sp, gen)[0][0])
-            seqs[b].append(tok)
-            outs[b].append(tok)
-            ttft[b] = time.perf_counter() - t_start
-            emit[b].append(ttft[b])
-            if tok in self.eos:
-                finished[b] = "eos"
-        active = [b for b in range(B) if finished[b] != "eos" and len(outs[b]) < max_new_tokens]
-        cycle = 0
-        while active:
-            t0 = time.perf_counter()
-            if spec:
-                drafts, qs = self._propose(active, [seqs[b] for b in active], draft_len, sp, gen)
-            else:
-                drafts, qs = [[] for _ in active], [None] * len(active)
-            t1 = time.perf_counter()
-            logits = T.decode([(b, [seqs[b][-1]] + d, len(seqs[b]) - 1, [True] * (len(d) + 1)) for b, d in zip(active, drafts)])
-            t2 = time.perf_counter()
-            still, pos = [], 0
-            counts = []
-            for b, d, q in zip(active, drafts, qs):
-                rows_lg = logits[pos : pos + len(d) + 1]
-                pos += len(d) + 1
-                if sp.greedy:  # the longest prefix matching the target's argmax, then the target's token
-                    a = 0
-                    while a < len(d) and int(rows_lg[a].argmax()) == d[a]:
-                        a += 1
-                    # the baseline records the top-2 margin for the lossless check; a spec run needs only the argmax
-                    nxt, margin = top2_margin(rows_lg[a]) if not spec else (int(rows_lg[a].argmax()), None)
-                else:
-                    a, nxt = verify(d, q, torch.from_numpy(np.stack(rows_lg)), sp, gen)
-                n = len(seqs[b])
-                T.drop_from(b, n + a)  # the KV of rejected drafts
-                if D is not None:
-                    draft_len[b] = min(draft_len[b], n + a)
-                    D.drop_from(b, draft_len[b])
-                new = (d[:a] + [nxt])[: max_new_tokens - len(outs[b])]
-                for i, t in enumerate(new):
-                    if t in self.eos:
-                        new, finished[b] = new[: i + 1], "eos"
-                        break
-                if not spec and sp.greedy:
-                    margins[b].append(margin)
-                seqs[b] += new
-                outs[b] += new
-                counts.append((b, len(d), a, len(new), n - 1))
-                if finished[b] != "eos" and len(outs[b]) < max_new_tokens:
-                    still.append(b)
-            t3 = time.perf_counter()
-            for b, kd, a, ne, kv in counts:
-                emit[b].append(t3 - t_start)
-                cycles.append(dict(cycle=cycle, row=b, drafted=kd, accepted=a, emitted=ne, kv_len=kv, batch_rows=len(active),
-                                   t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2))
-            active = still
-            cycle += 1
-        wall = time.perf_counter() - t_start
-        reqs = [RequestOutput(outs[b], ttft[b], emit[b][-1], emit[b], margins[b] or None, finished[b]) for b in range(B)]
-        return BatchOutput(reqs, wall, cycles)
-
-    # ------------------------------------------------------------------ the library's own prompt lookup
-
-    def _library_llm(self, speculative: bool = True):
-        """A Llama built with the library's prompt-lookup drafter (it must be given at construction:
-        that is what turns on the per-token logits it verifies with), wrapped to record proposals;
-        or, for the baseline, a plain Llama with the library's defaults."""
-        if not speculative:
-            if getattr(self, "_lib_plain", None) is None:
-                import llama_cpp
-
-                threads = self.cfg.threads or 2
-                self._lib_plain = llama_cpp.Llama(self.path, n_ctx=self.cfg.n_ctx, n_threads=threads,
-                                                  n_threads_batch=threads, verbose=False)
-            return self._lib_plain, None
-        if getattr(self, "_lib", None) is None:
-            import llama_cpp
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-            class Counting(LlamaPromptLookupDecoding):
-                calls: list = []
-
-                def __call__(self, input_ids, *args, **kwargs):
-                    out = super().__call__(input_ids, *args, **kwargs)
-                    self.calls.append((len(input_ids), [int(x) for x in out]))
-                    return out
-
-            self._drafter = Counting(max_ngram_size=self.method.get("max_ngram", 2), num_pred_tokens=self.k)
-            self._drafter.calls = []
-            threads = self.cfg.threads or 2
-            # As a user calls it: llama-cpp-python's defaults (flash attention off) are kept.
-            self._lib = llama_cpp.Llama(self.path, n_ctx=self.cfg.n_ctx, n_threads=threads, n_threads_batch=threads,
-                                        draft_model=self._drafter, verbose=False)
-        return self._lib, self._drafter
-
-    def _generate_library(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool = True) -> BatchOutput:
-        """As a user calls it: one request at a time (the high-level API has no batching)."""
-        llm, drafter = self._library_llm(speculative)
-        reqs, cycles = [], []
-        t_batch = time.perf_counter()
-        for b, p in enumerate(prompts):
-            if drafter is not None:
-                drafter.calls.clear()
-            t0 = time.perf_counter()
-            first, toks, times = None, [], []
-            for tok in llm.generate(p, temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, reset=True):
-                now = time.perf_counter()
-                first = first or now
-                toks.append(int(tok))
-                times.append(now - t_batch)
-                if tok in self.eos or len(toks) >= max_new_tokens:
-                    break
-            full = list(p) + toks
-            for c, (n_ctx, prop) in enumerate(drafter.calls if drafter is not None else []):  # replay each proposal
-                if n_ctx - len(p) >= len(toks):
-                    continue
-                truth = full[n_ctx : n_ctx + len(prop)]
-                a = 0
-                while a < len(truth) and prop[a] == truth[a]:
-                    a += 1
-                cycles.append(dict(cycle=c, row=b, drafted=len(prop), accepted=a, emitted=min(a + 1, len(full) - n_ctx),
-                                   kv_len=n_ctx - 1, batch_rows=1, t_draft=np.nan, t_verify=np.nan, t_other=np.nan))
-            reqs.append(RequestOutput(toks, (first or t0) - t_batch, times[-1] if times else 0.0, times, None,
-                                      "eos" if toks and toks[-1] in self.eos else "length"))
-        return BatchOutput(reqs, time.perf_counter() - t_batch, cycles if speculative else None,
-                           counters={"note": "the library exposes no acceptance counters; counted by wrapping its drafter"}
-                           if speculative else {})
+        got = self._call({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": vars(sampling),
+                          "max_new_tokens": max_new_tokens, "speculative": speculative},
+                         self.cfg.request_timeout_s)["batch"]
+        counters = got.pop("spec_counters")
+        return BatchOutput([RequestOutput(**r) for r in got.pop("requests")], **got,
+                           spec_counters=SpecCounters(**counters) if counters else None)
 
     def close(self):
-        for c in (self.target, self.draft):
-            if c is not None:
-                c.close()
-        for attr in ("_lib", "_lib_plain"):
-            if getattr(self, attr, None) is not None:
-                getattr(self, attr).close()
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None

