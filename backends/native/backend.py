@@ -1,13 +1,15 @@
 """The native PyTorch engine behind the harness's Backend interface."""
 from __future__ import annotations
 
-import platform
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from bench.backend import Backend, BatchOutput, RequestOutput, Sampling
 
+from ..cpu_probe import cpu_identity
+from . import kernels
 from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
@@ -17,6 +19,7 @@ from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined")
 NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp")
+log = logging.getLogger("specsweep")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
 
 
@@ -49,6 +52,7 @@ def _load(path: str, dtype: str, device: str):
 class NativeBackend(Backend):
     name = "native"
     supported_methods = METHODS
+    ttft_source, emit_granularity = "client", "cycle"  # stamped in the engine's own loop, per cycle
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, dtype: str = "float32",
                  device: str = "cpu", threads: int | None = None, trace: bool = True, **unused):
@@ -64,6 +68,23 @@ class NativeBackend(Backend):
         self.k = num_speculative_tokens
         self.drafter = self._make_drafter(name, self.method)
         self.eos = tuple(self.args.eos_token_ids)
+        # Each projection's CPU product, measured on this machine (cached after the first time).
+        self.kernels = kernels.tune(self._weights(), log=log.info) if self.cfg.device == "cpu" else {}
+
+    def weight_bytes_per_step(self) -> int:
+        seen, total = set(), 0  # a tied embedding/output matrix is read once, by the output product
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def _weights(self):
+        """Every matrix the target and the drafter multiply by (tune() takes each shape once)."""
+        modules = [self.model]
+        for obj in (self.drafter, getattr(self.drafter, "neural", None)):  # a combined drafter's head too
+            modules += [m for m in (getattr(obj, "model", None), getattr(obj, "head", None)) if isinstance(m, torch.nn.Module)]
+        return [p for m in modules for p in m.parameters() if p.dim() == 2]
 
     def _make_drafter(self, name: str, m: dict):
         k, n_layers, vocab = self.k, self.args.n_layers, m.get("draft_vocab")
@@ -202,5 +223,6 @@ class NativeBackend(Backend):
         if self.cfg.device.startswith("cuda"):
             d["gpu"] = torch.cuda.get_device_name(self.cfg.device)
         else:
-            d["cpu"] = platform.processor() or platform.machine()
+            d["cpu"] = cpu_identity()["cpu"]
+            d["kernels"] = self.kernels
         return d

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
+
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 
 
@@ -58,19 +60,13 @@ class ModelArgs:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T (+ bias), computed as weight @ x.T with one row padded to two. Measured on a
-    2-core AVX2 CPU (torch 2.13, Gemma 3's 262144 x 640 output matrix): F.linear takes 57 ms for
-    one row (a gemv, ~12 GB/s) and 107-190 ms for 2-5 rows, while weight @ x.T over at least two
-    rows takes 20-30 ms (~34 GB/s, the machine's read bandwidth). The same holds, less sharply,
-    for every projection whose weights stream from memory. On CUDA plain F.linear is used."""
+    """x @ weight.T (+ bias). On CPU through the product kernels.tune() measured fastest on this
+    machine for this weight's shape and this many rows (F.linear until tuned); on CUDA F.linear."""
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    n = x2.shape[0]
-    if n == 1:
-        x2 = torch.cat((x2, x2))
-    y = (weight @ x2.T)[:, :n].T.reshape(*shape[:-1], weight.shape[0])
+    y = kernels.pick(weight, x2.shape[0])(x2, weight).reshape(*shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 

@@ -1,0 +1,151 @@
+"""The CPU product behind every projection, chosen by measuring on the machine that runs it.
+
+y = x @ W.T can be computed several ways, and which is fastest depends on the CPU: on a 2-core AVX2
+AMD EPYC, `W @ x.T` (one row padded to two) read Gemma 3's 262144 x 640 output matrix at the
+machine's bandwidth while F.linear ran 2-3x slower at 1-5 rows; on a 2-core AVX-512/AMX Intel Xeon
+F.linear was the faster one, about 2x at one and two rows. A choice made on one would make the
+baseline slow on the other, and a speedup over a slow baseline is an illusion. So `tune()` times
+each candidate for every weight shape of a model and a ladder of row counts, at load time,
+interleaved, medians over rounds, and caches the plan with the CPU, its flags, torch's version and
+the thread count (SPECSWEEP_CACHE/kernels). A candidate must beat F.linear by KEEP_MARGIN to
+replace it: on a noisy machine a tie stays with the library's default.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cpu_probe import cache_root, cpu_identity
+
+TUNE_VERSION = "1"
+ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # a row count uses the plan of the next rung up
+KEEP_MARGIN = 0.05
+ROUNDS = 5
+
+
+def _pad_rows(x2: Tensor) -> Tensor:
+    return torch.cat((x2, x2)) if x2.shape[0] == 1 else x2
+
+
+def linear_plain(x2: Tensor, w: Tensor) -> Tensor:
+    return F.linear(x2, w)
+
+
+def linear_transposed(x2: Tensor, w: Tensor) -> Tensor:
+    """W @ x.T, one row padded to two: a matrix-matrix product where F.linear would run a
+    matrix-vector one (the faster kernel on some CPUs)."""
+    n = x2.shape[0]
+    return (w @ _pad_rows(x2).T)[:, :n].T
+
+
+CANDIDATES = {"linear": linear_plain, "transposed": linear_transposed}
+
+# (out_features, in_features, dtype) -> tuple of (max rows, kernel) rungs; empty until tuned
+PLANS: dict[tuple, tuple[tuple[int, str], ...]] = {}
+
+
+def pick(w: Tensor, n: int):
+    plan = PLANS.get((w.shape[0], w.shape[1], w.dtype))
+    if plan:
+        for rows, name in plan:
+            if n <= rows:
+                return CANDIDATES[name]
+        return CANDIDATES[plan[-1][1]]
+    return linear_plain
+
+
+def _time(fn, x2, w) -> float:
+    t = time.perf_counter()
+    fn(x2, w)
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def measure(w: Tensor, ladder=ROW_LADDER, rounds: int = ROUNDS) -> dict:
+    """Median seconds per candidate and row count for one weight, interleaved within each round."""
+    xs = {n: torch.randn(n, w.shape[1], dtype=w.dtype) for n in ladder}
+    for fn in CANDIDATES.values():  # first touches (allocation, kernel selection) out of the timing
+        fn(xs[ladder[0]], w)
+    times = {name: {n: [] for n in ladder} for name in CANDIDATES}
+    for r in range(rounds):
+        for n in ladder:
+            order = list(CANDIDATES.items())
+            if r % 2:  # alternate which candidate runs first: neither always gets the warm cache
+                order.reverse()
+            for name, fn in order:
+                times[name][n].append(_time(fn, xs[n], w))
+    return {name: {n: statistics.median(v) for n, v in per.items()} for name, per in times.items()}
+
+
+def plan_from(timings: dict, ladder=ROW_LADDER) -> tuple[tuple[int, str], ...]:
+    """Per rung, the fastest candidate, unless it does not beat F.linear by KEEP_MARGIN."""
+    out = []
+    for n in ladder:
+        base = timings["linear"][n]
+        name, best = min(((k, v[n]) for k, v in timings.items()), key=lambda kv: kv[1])
+        out.append((n, name if best < base * (1 - KEEP_MARGIN) else "linear"))
+    return tuple(out)
+
+
+def tune_key(w: Tensor) -> dict:
+    return {"tune_version": TUNE_VERSION, **cpu_identity(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "shape": list(w.shape), "dtype": str(w.dtype)}
+
+
+def tune(weights, log=None) -> dict:
+    """Choose the product for every distinct CPU weight shape in `weights`; returns a summary for
+    describe(): per shape, the plan and whether it was measured now or read from the cache."""
+    summary = {}
+    for w in weights:
+        if w.device.type != "cpu" or w.dim() != 2:
+            continue
+        shape_key = (w.shape[0], w.shape[1], w.dtype)
+        label = f"{w.shape[0]}x{w.shape[1]} {str(w.dtype).replace('torch.', '')}"
+        if label in summary:
+            continue
+        key = tune_key(w)
+        path = cache_root() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+        source = "cached"
+        try:
+            got = json.loads(path.read_text())
+            if got["key"] != key:
+                raise ValueError("another key")
+            plan = tuple((int(n), str(k)) for n, k in got["plan"])
+            if any(k not in CANDIDATES for _, k in plan):
+                raise ValueError("an unknown kernel")
+        except (OSError, ValueError, KeyError, TypeError):
+            t0 = time.perf_counter()
+            timings = measure(w)
+            plan = plan_from(timings)
+            source = f"measured now ({time.perf_counter() - t0:.1f} s)"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"key": key, "plan": plan, "timings_s": timings}, indent=1))
+                os.replace(tmp, path)
+            except OSError:
+                pass
+            if log:
+                log(f"kernels for {label}: {plan_text(plan)}, {source}")
+        PLANS[shape_key] = plan
+        summary[label] = f"{plan_text(plan)} ({source})"
+    return summary
+
+
+def plan_text(plan) -> str:
+    """'linear up to 2 rows, transposed up to 64 rows': consecutive rungs with one kernel merged."""
+    parts = []
+    for n, name in plan:
+        if parts and parts[-1][1] == name:
+            parts[-1] = (n, name)
+        else:
+            parts.append((n, name))
+    return ", ".join(f"{name} up to {n} rows" for n, name in parts) + ", above that the last"
