@@ -138,7 +138,7 @@ def request_output(d: dict, returned_s: float, spec: bool, k: int) -> RequestOut
     drafted = accepted = None
     if spec:
         _, drafted, accepted, _ = request_counts(meta, k)
-    return RequestOutput(list(d["output_ids"]), ttft if ttft is not None else e2e, e2e, [e2e],
+    return RequestOutput(list(d["output_ids"]), ttft, e2e, [e2e],
                          finished_by="eos" if finish == "stop" else "length", drafted=drafted, accepted=accepted)
 
 
@@ -164,6 +164,7 @@ class SGLangServer(ServerProcess):
 
 class SGLangBackend(Backend):
     name = "sglang"
+    ttft_source, emit_granularity = "engine", "none"  # meta_info first_token_latency; results are not streamed
     supported_methods = METHODS
     server = False
 

@@ -234,6 +234,8 @@ def _delta(before: dict, after: dict, k: int) -> SpecCounters:
 
 class VLLMBackend(Backend):
     name = "vllm"
+    # RequestOutput metrics: first_token_latency (engine-side); first and last token times only
+    ttft_source, emit_granularity = "engine", "none"
     supported_methods = METHODS
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
@@ -302,9 +304,8 @@ class VLLMBackend(Backend):
                                    "top_k": sampling.top_k, "seed": sampling.seed}})
         reqs = []
         for r in got["requests"]:
-            ttft = r["ttft_s"] if r["ttft_s"] is not None else got["wall_s"]
-            e2e = r["e2e_s"] if r["e2e_s"] is not None else got["wall_s"]
-            reqs.append(RequestOutput(r["token_ids"], ttft, e2e, [ttft, e2e],
+            ttft, e2e = r["ttft_s"], r["e2e_s"]  # None where vLLM kept no request stats: never filled in
+            reqs.append(RequestOutput(r["token_ids"], ttft, e2e, [t for t in (ttft, e2e) if t is not None],
                                       finished_by="eos" if r["finish_reason"] == "stop" else "length"))
         counters = _delta(got["before"], got["after"], self.k) if spec else None
         return BatchOutput(reqs, got["wall_s"], None, counters={"before": got["before"], "after": got["after"]} if spec else {},

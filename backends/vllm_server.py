@@ -71,6 +71,7 @@ class Server(ServerProcess):
 
 class VLLMServerBackend(VLLMBackend):
     name = "vllm_server"
+    ttft_source, emit_granularity = "client", "chunk"  # streamed /v1/completions, stamped per chunk
 
     def _start(self, kw: dict, log: Path) -> Server:
         return Server(self.python, kw, log, self.cfg.startup_timeout_s)

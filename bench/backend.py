@@ -26,9 +26,9 @@ class Sampling:
 @dataclass
 class RequestOutput:
     output_token_ids: list[int]
-    ttft_s: float  # since the batch was submitted
-    e2e_s: float
-    emit_times_s: list[float] = field(default_factory=list)  # when each chunk of tokens came out
+    ttft_s: float | None  # as the adapter's ttft_source says; None where the engine did not report it
+    e2e_s: float | None  # since the batch was submitted
+    emit_times_s: list[float] = field(default_factory=list)  # when each chunk came out (emit_granularity)
     top2_margins: list[float] | None = None  # target's top-1 minus top-2 logit per output token
     finished_by: str = "length"
     drafted: int | None = None  # per-request counts, from engines without a per-cycle trace
@@ -37,20 +37,32 @@ class RequestOutput:
 
 @dataclass
 class SpecCounters:
-    """An engine's own speculative counters over one batch (deltas), for engines that keep no
-    per-cycle trace: verification steps that had a draft, draft tokens, accepted tokens, and
-    accepted tokens per draft position (vLLM's and llama.cpp's counters have this shape)."""
+    """The one acceptance record every acceptance metric is computed from (bench.metrics.acceptance):
+    drafts (verification steps that had a draft), draft tokens, accepted tokens, accepted tokens
+    per draft position; and, where the engine can tell, how many drafts reached each position
+    (had at least j+1 tokens) and how many drafts had a token at position j with every token
+    before it accepted. Filled from per-cycle traces (bench.metrics.counts_from_cycles), or from an
+    engine's own counters over one batch (deltas; vLLM's and llama.cpp's have the first four
+    fields, not the last two: None)."""
     drafts: int
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: list[int] = field(default_factory=list)
+    drafts_per_position: list[int] | None = None
+    reached_per_position: list[int] | None = None
 
     def __add__(self, o: "SpecCounters") -> "SpecCounters":
-        n = max(len(self.accepted_per_position), len(o.accepted_per_position))
-        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        def add(a, b):
+            if a is None or b is None:
+                return None
+            n = max(len(a), len(b))
+            return [x + y for x, y in zip(list(a) + [0] * (n - len(a)), list(b) + [0] * (n - len(b)))]
+
         return SpecCounters(self.drafts + o.drafts, self.draft_tokens + o.draft_tokens,
                             self.accepted_tokens + o.accepted_tokens,
-                            [a + b for a, b in zip(pad(self.accepted_per_position), pad(o.accepted_per_position))])
+                            add(self.accepted_per_position, o.accepted_per_position),
+                            add(self.drafts_per_position, o.drafts_per_position),
+                            add(self.reached_per_position, o.reached_per_position))
 
 
 @dataclass
@@ -76,6 +88,18 @@ class Backend(abc.ABC):
 
     name: str = "backend"
     supported_methods: tuple[str, ...] = ()
+    # The latency contract (docs/metrics.md, "Latency"). ttft_source: where RequestOutput.ttft_s comes
+    # from: "client" (the time since the batch was submitted at which the first token was seen by
+    # the caller), "engine" (the engine's own figure, e.g. prompt processing only, no queueing), or
+    # "unavailable". emit_granularity: what emit_times_s stamps: "token", "chunk" (a streamed
+    # chunk), "cycle" (a draft/verify cycle's tokens at once) or "none" (no times between first and
+    # last). The harness computes TTFT, TPOT and ITL only where these make them meaningful.
+    ttft_source: str = "unavailable"
+    emit_granularity: str = "none"
+
+    def latency_contract(self) -> dict:
+        """The contract for this adapter's method (an adapter whose paths differ overrides it)."""
+        return {"ttft_source": self.ttft_source, "emit_granularity": self.emit_granularity}
 
     @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]: ...
@@ -96,6 +120,19 @@ class Backend(abc.ABC):
         builder then says the method is unavailable."""
         return None
 
+    @classmethod
+    def baseline_key(cls, method: dict) -> dict:
+        """What of the method config changes this engine's baseline path (the same engine with
+        speculation off): part of a shared baseline's identity, so that two methods whose
+        baselines differ never share one. Most engines: nothing."""
+        return {}
+
+    def weight_bytes_per_step(self) -> int | None:
+        """Bytes of weights one decode step of the target reads (every matrix once): with the
+        machine's read bandwidth this gives the baseline's roofline step time. None where the
+        adapter cannot tell."""
+        return None
+
     def set_artifact_dir(self, path) -> None:
         """Where the engine may keep files of this job (server logs): the job's folder."""
 
@@ -111,5 +148,10 @@ def instantiate_backend(backend_cfg: dict, model: dict, method: dict, num_specul
     """Build the engine adapter named by the backend config's `_target_` (Hydra instantiation)."""
     from hydra.utils import instantiate
 
+    from hydra.errors import InstantiationException
+
     cfg = {k: v for k, v in backend_cfg.items() if k != "name"}
-    return instantiate(cfg, model=model, method=method, num_speculative_tokens=num_speculative_tokens, _convert_="all")
+    try:
+        return instantiate(cfg, model=model, method=method, num_speculative_tokens=num_speculative_tokens, _convert_="all")
+    except InstantiationException as e:  # the adapter's own error (a bad value, a missing file) says what to fix
+        raise (e.__cause__ if isinstance(e.__cause__, Exception) else e) from None

@@ -15,7 +15,8 @@ log = logging.getLogger("specsweep")
 register_configs()
 
 TABLE_COLUMNS = ["backend", "method", "workload", "batch_size", "temperature", "status", "speedup", "acceptance_rate",
-                 "mean_acceptance_length", "tokens_per_forward", "verify_fraction", "draft_fraction", "lossless"]
+                 "mean_acceptance_length", "tokens_per_forward", "verify_fraction", "draft_fraction",
+                 "baseline_roofline_share", "lossless"]
 
 
 def _progress_factory(name: str, total: int):

@@ -46,10 +46,12 @@ class SweepConfig:
     results_dir: str = "results"
     sweep_name: str = "default"
     force: bool = False
-    # shared: each baseline (same backend, model, workload, batch, sampling, seed) is measured
-    # once per sweep and reused by every method. paired: every job measures its own baseline,
-    # interleaved with the method's repeats (costlier; the fairest pairing on a noisy machine).
-    baseline: str = "shared"
+    # paired (default): every job measures its own baseline, batch by batch interleaved with the
+    # method (which arm goes first alternating), and the speedup's interval is a bootstrap over
+    # those pairs. shared: each baseline (same backend, model, workload, batch, sampling, seed,
+    # engine path) is measured once per sweep and reused by every method; each job measures one
+    # baseline batch again and records baseline_drift (cheaper for long sweeps, exposed to load).
+    baseline: str = "paired"
     lossless_margin_tol: float = 0.05  # a greedy divergence at a top-2 logit margin below this is a near-tie
     report: bool = True  # write the report (plots, summary.md) when a sweep ends
 

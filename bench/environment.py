@@ -53,6 +53,33 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+_BANDWIDTH: dict[str, float] = {}
+
+
+def read_bandwidth_gbs(device: str = "cpu", reps: int = 8) -> float:
+    """The memory read bandwidth of this machine (CPU) or device (CUDA), in GB/s: the best of
+    `reps` sums over a 512 MiB buffer (a roofline is a best case), about a second. Measured once
+    per process and device."""
+    if device not in _BANDWIDTH:
+        import torch
+
+        on_cuda = device.startswith("cuda")
+        a = torch.ones(2**27, dtype=torch.float32, device=device)
+        a.sum()
+        best = float("inf")
+        for _ in range(reps):
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            a.sum()
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t)
+        _BANDWIDTH[device] = a.numel() * a.element_size() / best / 1e9
+        del a
+    return _BANDWIDTH[device]
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 

@@ -9,9 +9,13 @@ Rules, per job present in both:
 - speedup and throughput are noisy: a regression only when even the optimistic end of this run's
   95% interval is below the recorded value by more than a ratio (`--speedup-tolerance`, default
   0.15; `--throughput-tolerance`, default 0.5, since absolute throughput follows the machine).
-- lossless must stay `true`; a job with status error fails; a job of the baseline missing from the
+- lossless `false` fails whatever the baseline says (`n/a`, sampled runs, passes); a job with
+  status error fails, also one the baseline does not have; a job of the baseline missing from the
   run fails (unless --allow-missing); a job new in the run is listed.
-Exit status: 0 pass, 1 regression, 2 bad usage or a malformed or mismatched baseline.
+Jobs are matched by their whole identity (bench.results.JobKey: every setting, plus a digest of
+the backend, model, method and workload configs).
+Exit status: 0 pass, 1 regression or failed job, 2 bad usage or a missing, malformed or
+mismatched baseline.
 """
 from __future__ import annotations
 
@@ -22,13 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-from .results import find_sweep_dirs, load_summaries, write_json
+from dataclasses import asdict, fields
+
+from .results import JobKey, find_sweep_dirs, load_summaries, write_json
 
 FORMAT = "specsweep-gate-baseline"
-VERSION = 1
+VERSION = 2  # 2: jobs keyed by the whole JobKey (version 1 left out seed, top_p, top_k, lengths)
 ACCEPTANCE_METRICS = ("acceptance_rate", "mean_acceptance_length")
-IDENTITY = ("backend", "model", "method", "workload", "batch_size", "temperature", "top_p", "top_k",
-            "num_speculative_tokens", "max_new_tokens", "num_prompts", "seed")
+# What a job of the baseline and one of the run may share and still be told apart by the rest of
+# the key: matching on these, the gate names the setting that differs instead of "missing".
+COARSE = ("backend", "model", "method", "workload", "batch_size", "temperature", "num_speculative_tokens")
 RECORDED = ("status", "lossless", "acceptance_rate", "mean_acceptance_length", "per_position_acceptance", "speedup",
             "speedup_ci_low", "speedup_ci_high", "tokens_per_s", "baseline_tokens_per_s")
 
@@ -38,8 +45,10 @@ class GateError(ValueError):
 
 
 def job_key(row) -> str:
-    return (f"{row['backend']}/{row['model']}/{row['method']}/{row['workload']}/b{row['batch_size']}"
-            f"/t{float(row['temperature']):g}/k{row['num_speculative_tokens']}")
+    try:
+        return JobKey.from_row(row).label()
+    except (ValueError, TypeError) as e:
+        raise GateError(f"job {row.get('job', '?')}: {e}") from None
 
 
 def _num(v):
@@ -51,7 +60,7 @@ def record(df) -> dict:
     for _, r in df.iterrows():
         if r.get("status") != "ok":
             continue
-        jobs[job_key(r)] = {"identity": {k: _num(r.get(k)) for k in IDENTITY},
+        jobs[job_key(r)] = {"identity": asdict(JobKey.from_row(r)),
                             "metrics": {k: (list(r[k]) if k == "per_position_acceptance" and isinstance(r.get(k), list) else _num(r.get(k)))
                                         for k in RECORDED}}
     return {"format": FORMAT, "version": VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "jobs": jobs}
@@ -67,9 +76,20 @@ def load_baseline(path: Path) -> dict:
     if not isinstance(b, dict) or b.get("format") != FORMAT:
         raise GateError(f"baseline {path} is not a specsweep gate baseline (expected \"format\": \"{FORMAT}\")")
     if b.get("version") != VERSION:
-        raise GateError(f"baseline {path} has version {b.get('version')!r}; this specsweep reads version {VERSION}")
+        raise GateError(f"baseline {path} has version {b.get('version')!r}; this specsweep reads version {VERSION} "
+                        f"(record it again: specsweep-gate RESULTS_DIR --baseline {path} --update)")
     if not isinstance(b.get("jobs"), dict) or not all(isinstance(j, dict) and "metrics" in j and "identity" in j for j in b["jobs"].values()):
         raise GateError(f"baseline {path}: \"jobs\" must map job keys to {{\"identity\": ..., \"metrics\": ...}}")
+    for key, j in b["jobs"].items():
+        if not isinstance(j["identity"], dict) or not isinstance(j["metrics"], dict):
+            raise GateError(f"baseline {path}: job {key!r}: \"identity\" and \"metrics\" must be objects")
+        for name, v in j["metrics"].items():
+            bad = (name == "per_position_acceptance" and not (v is None or isinstance(v, list) and all(
+                   x is None or isinstance(x, (int, float)) for x in v))) or (
+                   name not in ("status", "lossless", "per_position_acceptance") and v is not None
+                   and not isinstance(v, (int, float)))
+            if bad:
+                raise GateError(f"baseline {path}: job {key!r}: metrics.{name} = {v!r} is not a number")
     return b
 
 
@@ -85,6 +105,7 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
     rows, failed = [], False
     common = set(now) & set(baseline["jobs"])
     if baseline["jobs"] and not common:
+        _explain_mismatch(now, baseline)
         raise GateError("the run and the baseline have no job in common; baseline jobs: "
                         + ", ".join(sorted(baseline["jobs"])[:6]) + "; run jobs: " + ", ".join(sorted(now)[:6]))
     for key in sorted(baseline["jobs"]):
@@ -94,16 +115,12 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
             failed |= not allow_missing
             continue
         r = now[key]
-        for k in ("max_new_tokens", "num_prompts", "seed", "top_p", "top_k"):
-            if base["identity"].get(k) is not None and _num(r.get(k)) != base["identity"][k]:
-                raise GateError(f"job {key}: the baseline was recorded with {k}={base['identity'][k]}, this run has "
-                                f"{k}={r.get(k)}; rerun with the baseline's settings or record a new baseline (--update)")
         if r.get("status") != "ok":
             rows.append((key, "status", "ok", r.get("status"), str(r.get("error"))[:80], "FAIL"))
             failed = True
             continue
         m = base["metrics"]
-        lossless_ok = r.get("lossless") == m.get("lossless") or r.get("lossless") == "true"
+        lossless_ok = r.get("lossless") in ("true", "n/a") and not (m.get("lossless") == "true" and r.get("lossless") != "true")
         rows.append((key, "lossless", m.get("lossless"), r.get("lossless"), "", "ok" if lossless_ok else "FAIL"))
         failed |= not lossless_ok
         checks = [(k, m.get(k), _num(r.get(k))) for k in ACCEPTANCE_METRICS]
@@ -131,8 +148,29 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
             failed |= verdict == "FAIL"
             rows.append((key, "tokens_per_s", tp_b, tp_n, _rel(tp_n, tp_b), verdict))
     for key in sorted(set(now) - set(baseline["jobs"])):
-        rows.append((key, "job", "-", now[key].get("status"), "", "new"))
+        r = now[key]
+        if r.get("status") == "error":  # a failed job fails the gate, recorded or not
+            rows.append((key, "status", "-", "error", str(r.get("error"))[:80], "FAIL"))
+            failed = True
+        else:
+            rows.append((key, "job", "-", r.get("status"), "", "new"))
     return rows, failed
+
+
+def _explain_mismatch(now: dict, baseline: dict) -> None:
+    """A run whose jobs match the baseline's but for a setting: a GateError naming it."""
+    for key, base in sorted(baseline["jobs"].items()):
+        ident = base["identity"]
+        for r in now.values():
+            if all(str(ident.get(f)) == str(r.get(f)) if f != "temperature" else float(ident[f]) == float(r[f])
+                   for f in COARSE):
+                run_ident = asdict(JobKey.from_row(r))
+                diff = [f.name for f in fields(JobKey) if f.name not in COARSE and ident.get(f.name) != run_ident[f.name]]
+                if diff:
+                    what = ", ".join(f"{f}={ident.get(f)}" for f in diff)
+                    has = ", ".join(f"{f}={run_ident[f]}" for f in diff)
+                    raise GateError(f"job {key}: the baseline was recorded with {what}, this run has {has}; rerun with "
+                                    "the baseline's settings or record a new baseline (--update)")
 
 
 def markdown(rows, failed: bool) -> str:

@@ -1,4 +1,4 @@
-"""Every metric of specsweep, defined once (see DESIGN.md's table). Inputs are plain arrays or
+"""Every metric of specsweep, defined once (docs/metrics.md says each in words). Inputs are plain arrays or
 the per-cycle table; nothing here knows about engines or files.
 
 A request's decode is a sequence of cycles: in cycle i the drafter proposes k_i tokens
@@ -11,59 +11,79 @@ import math
 import numpy as np
 import pandas as pd
 
+from .backend import SpecCounters
+
+
+def counts_from_cycles(drafted, accepted, k: int) -> SpecCounters:
+    """The acceptance record of a per-cycle trace: every field known exactly."""
+    drafted, accepted = np.asarray(drafted, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
+    pos = range(1, k + 1)
+    return SpecCounters(int((drafted > 0).sum()), int(drafted.sum()), int(accepted.sum()),
+                        [int((accepted >= j).sum()) for j in pos], [int((drafted >= j).sum()) for j in pos],
+                        [int(((drafted >= j) & (accepted >= j - 1)).sum()) for j in pos])
+
+
+BASIS_REACHED = "drafts that reached the position"
+BASIS_ALL = "all drafts (the engine's counters cannot tell how many drafts reached each position)"
+
+
+def acceptance(c: SpecCounters, k: int) -> dict:
+    """Every acceptance metric, from one record, for every engine:
+    - acceptance_rate (alpha) = accepted tokens / draft tokens (token-weighted; vLLM's);
+    - mean_acceptance_length (tau) = 1 + accepted tokens / drafts = sum (a_i + 1) / #cycles with
+      k_i > 0, the bonus token included (vLLM's 1 + accepted / drafts, SGLang's accept length);
+    - per_position_acceptance[j-1] = drafts accepting position j / drafts that reached position j
+      (k_i >= j); where the engine cannot tell the second, / all drafts, which is the same only
+      when every draft has k tokens: `per_position_basis` says which;
+    - conditional_acceptance[j-1] = drafts accepting j / drafts that had a token j and accepted
+      every token before it (position 1: every draft); without that count, the ratio of
+      consecutive per-position rates."""
+    nan = math.nan
+    apos = list(c.accepted_per_position or [])[:k]
+    if c.drafts_per_position is not None:
+        per = [a / n if n else nan for a, n in zip(apos, c.drafts_per_position)]
+        basis = BASIS_REACHED
+    else:
+        per = [a / c.drafts if c.drafts else nan for a in apos]
+        basis = BASIS_ALL
+    if c.reached_per_position is not None:
+        cond = [a / n if n else nan for a, n in zip(apos, c.reached_per_position)]
+    else:
+        cond = [per[0]] + [b / a if a else nan for a, b in zip(per, per[1:])] if per else []
+    return {"acceptance_rate": c.accepted_tokens / c.draft_tokens if c.draft_tokens else nan,
+            "mean_acceptance_length": 1 + c.accepted_tokens / c.drafts if c.drafts else nan,
+            "per_position_acceptance": per, "conditional_acceptance": cond, "per_position_basis": basis}
+
 
 def acceptance_rate(drafted, accepted) -> float:
-    """alpha = sum a_i / sum k_i (token-weighted; vLLM's accepted / draft tokens)."""
-    k = float(np.sum(drafted))
-    return float(np.sum(accepted)) / k if k > 0 else math.nan
+    """alpha over cycles (see acceptance())."""
+    return acceptance(counts_from_cycles(drafted, accepted, 0), 0)["acceptance_rate"]
 
 
 def mean_acceptance_length(drafted, accepted) -> float:
-    """tau = sum (a_i + 1) / #cycles with k_i > 0, over those cycles (the bonus token included:
-    vLLM's 1 + accepted / drafts, SGLang's completion tokens / verify count)."""
-    drafted, accepted = np.asarray(drafted), np.asarray(accepted)
-    mask = drafted > 0
-    return float(np.sum(accepted[mask] + 1)) / int(mask.sum()) if mask.any() else math.nan
+    """tau over cycles (see acceptance())."""
+    return acceptance(counts_from_cycles(drafted, accepted, 0), 0)["mean_acceptance_length"]
 
 
 def counters_metrics(drafts: int, draft_tokens: int, accepted_tokens: int, accepted_per_position, k: int) -> dict:
-    """The same definitions from an engine's counters (no per-cycle trace): alpha = accepted /
-    draft tokens; tau = 1 + accepted / drafts (vLLM's); per-position = accepted at j / drafts
-    (vLLM's per-position / drafts: exact when every draft has k tokens)."""
-    pos = [float(a) / drafts if drafts else math.nan for a in list(accepted_per_position)[:k]]
-    return {"acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else math.nan,
-            "mean_acceptance_length": 1 + accepted_tokens / drafts if drafts else math.nan,
-            "per_position_acceptance": pos,
-            "conditional_acceptance": [pos[0]] + [b / a if a else math.nan for a, b in zip(pos, pos[1:])] if pos else []}
+    """acceptance() of an engine's counters that give no drafts-per-position."""
+    return acceptance(SpecCounters(drafts, draft_tokens, accepted_tokens, list(accepted_per_position)), k)
 
 
-def tokens_per_forward(emitted, n_cycles: int | None = None) -> float:
+def tokens_per_forward(emitted) -> float:
     """Decode tokens / decode target forwards, over all cycles (plain steps included)."""
     emitted = np.asarray(emitted)
-    n = len(emitted) if n_cycles is None else n_cycles
-    return float(emitted.sum()) / n if n else math.nan
+    return float(emitted.sum()) / len(emitted) if len(emitted) else math.nan
 
 
 def per_position_acceptance(drafted, accepted, k: int) -> list[float]:
-    """[j-1] = #cycles accepting draft position j / #cycles that drafted at least j tokens."""
-    drafted, accepted = np.asarray(drafted), np.asarray(accepted)
-    out = []
-    for j in range(1, k + 1):
-        n = int((drafted >= j).sum())
-        out.append(float((accepted >= j).sum()) / n if n else math.nan)
-    return out
+    """per_position_acceptance over cycles (see acceptance())."""
+    return acceptance(counts_from_cycles(drafted, accepted, k), k)["per_position_acceptance"]
 
 
 def conditional_acceptance(drafted, accepted, k: int) -> list[float]:
-    """[j-1] = #cycles accepting position j / #cycles accepting position j-1 that drafted j
-    (position 0 is 'every cycle'): acceptance of j given all before it were accepted."""
-    drafted, accepted = np.asarray(drafted), np.asarray(accepted)
-    out = []
-    for j in range(1, k + 1):
-        reached = (accepted >= j - 1) & (drafted >= j)
-        n = int(reached.sum())
-        out.append(float((accepted[reached] >= j).sum()) / n if n else math.nan)
-    return out
+    """conditional_acceptance over cycles (see acceptance())."""
+    return acceptance(counts_from_cycles(drafted, accepted, k), k)["conditional_acceptance"]
 
 
 def request_acceptance(cycles: pd.DataFrame, key: str = "request_id") -> dict[str, float]:
@@ -71,7 +91,7 @@ def request_acceptance(cycles: pd.DataFrame, key: str = "request_id") -> dict[st
     g = cycles[cycles.drafted > 0].groupby(key)[["drafted", "accepted"]].sum()
     if g.empty:
         return {f"request_acceptance_{s}": math.nan for s in ("mean", "p10", "p50", "p90")}
-    per = g.accepted / g.drafted
+    per = pd.Series([acceptance(SpecCounters(0, int(d), int(a)), 0)["acceptance_rate"] for d, a in zip(g.drafted, g.accepted)])
     return {"request_acceptance_mean": float(per.mean()), "request_acceptance_p10": float(per.quantile(0.1)),
             "request_acceptance_p50": float(per.quantile(0.5)), "request_acceptance_p90": float(per.quantile(0.9))}
 
@@ -140,6 +160,26 @@ def speedup_with_interval(spec_throughputs, base_throughputs, n_boot: int = 2000
                  / np.median(b[rng.integers(0, len(b), (n_boot, len(b)))], axis=1))
     lo, hi = np.percentile(boots, [2.5, 97.5])
     return {"speedup": point, "speedup_ci_low": float(lo), "speedup_ci_high": float(hi)}
+
+
+def paired_speedup(spec_tokens, spec_s, base_tokens, base_s, n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Paired design: element i of each array is one batch (same requests, same sampling seed),
+    measured once with speculation and once without, back to back. speedup = (sum spec tokens /
+    sum spec seconds) / (sum baseline tokens / sum baseline seconds) over those batches; its 95%
+    interval is a cluster bootstrap over batches, each resample keeping a batch's two
+    measurements together, so load that hits both arms of a pair cancels. With one pair there is
+    no interval (NaN)."""
+    st, ss, bt, bs = (np.asarray(v, float) for v in (spec_tokens, spec_s, base_tokens, base_s))
+    n = len(st)
+    if not n or ss.sum() <= 0 or bs.sum() <= 0:
+        return {"speedup": math.nan, "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "speedup_pairs": n}
+    point = float((st.sum() / ss.sum()) / (bt.sum() / bs.sum()))
+    if n < 2:
+        return {"speedup": point, "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "speedup_pairs": n}
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    boots = (st[idx].sum(1) / ss[idx].sum(1)) / (bt[idx].sum(1) / bs[idx].sum(1))
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return {"speedup": point, "speedup_ci_low": float(lo), "speedup_ci_high": float(hi), "speedup_pairs": n}
 
 
 def first_divergence(spec: list[int], base: list[int]) -> int | None:

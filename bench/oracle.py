@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import metrics
 from .costmodel import CostModel, DraftCost
 from .jsonl import read_jsonl
 
@@ -201,10 +202,11 @@ def baseline_time(cost: CostModel, P, G, B):
 
 
 def _result(batch_sizes, speedups, trajs, n_requests: int) -> dict:
-    emitted = sum(int(t.accepted.sum()) for t in trajs)
-    cycles = sum(len(t.accepted) for t in trajs)
+    # every simulated cycle is one target forward, whether it drafted or not: tokens per forward
+    # (bench.metrics' definition), which the first versions of this table called mean_acceptance_length
+    emitted = np.concatenate([t.accepted for t in trajs]) if trajs else np.zeros(0)
     return {"batch_sizes": list(batch_sizes), "speedup": list(speedups),
-            "mean_acceptance_length": emitted / cycles if cycles else float("nan"), "requests": n_requests}
+            "tokens_per_forward": metrics.tokens_per_forward(emitted), "requests": n_requests}
 
 
 def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: np.ndarray, accounting: str):
@@ -412,7 +414,7 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
                     for a in (accountings if len(accs) == 1 else [acc]):  # single-method policies: the same in both
                         rows.append({"dataset": dataset, "policy": pol.name, "kind": pol.kind,
                                      "methods": "+".join(pol.methods), "k": pol.k or None, "batch_size": b, "accounting": a,
-                                     "speedup": s, "mean_acceptance_length": r["mean_acceptance_length"],
+                                     "speedup": s, "tokens_per_forward": r["tokens_per_forward"],
                                      "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode})
     return pd.DataFrame(rows)
 

@@ -23,7 +23,9 @@ from .results import find_sweep_dirs, load_summaries  # noqa: E402
 SUMMARY_COLUMNS = ["method", "workload", "batch_size", "temperature", "num_speculative_tokens", "status", "speedup",
                    "speedup_ci_low", "speedup_ci_high", "predicted_speedup", "acceptance_rate", "mean_acceptance_length",
                    "tokens_per_forward", "verify_fraction", "draft_fraction", "verify_cost_ratio", "draft_cost_ratio",
-                   "tokens_per_s", "baseline_tokens_per_s", "lossless"]
+                   "tokens_per_s", "baseline_tokens_per_s", "baseline_roofline_share", "baseline_drift", "lossless"]
+SLOW_BASELINE = 0.5  # a baseline below half its roofline: its speedups may come from the slow baseline
+DRIFT_LIMIT = 0.10  # a shared baseline whose first batch, measured again, moved more than this
 
 
 def _fmt(v) -> str:
@@ -169,8 +171,10 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
              f"Machine: {env.get('cpu', '?')}, {env.get('cpu_count', '?')} CPUs; load average at start of first job "
              f"{env.get('loadavg', '?')}; commit {env.get('git_commit', '?')}.", "",
              "Speedup is throughput with speculation over throughput of the same engine without it, on the same "
-             "requests and batch (median over repeats, 95% bootstrap interval). Definitions: DESIGN.md.", "",
+             "requests and batches (paired: batch by batch, interleaved; 95% cluster-bootstrap interval over the "
+             "pairs). Every metric's definition, and which engine field it comes from: docs/metrics.md.", "",
              markdown_table(d, SUMMARY_COLUMNS), ""]
+    lines += flags_markdown(df)
     from .recommend import markdown as rec_markdown, recommend
 
     lines += [rec_markdown(recommend(df))]
@@ -181,6 +185,25 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     (out / "summary.md").write_text("\n".join(lines))
     (out / "index.json").write_text(json.dumps([p.name for p in made]))
     return out
+
+
+def flags_markdown(df: pd.DataFrame) -> list[str]:
+    """Rows whose numbers deserve doubt, and why."""
+    out = []
+    for _, r in df[df.status == "ok"].iterrows() if "status" in df.columns else []:
+        share, drift = r.get("baseline_roofline_share"), r.get("baseline_drift")
+        if isinstance(share, float) and share == share and share < SLOW_BASELINE:
+            out.append(f"- `{r.job}`: the baseline runs at {100 * share:.0f}% of its roofline "
+                       f"({r.get('baseline_step_ms'):.1f} ms a step against {r.get('roofline_step_ms'):.1f} ms): its "
+                       "speedup may come from a slow baseline rather than from the method.")
+        if isinstance(drift, float) and drift == drift and abs(drift) > DRIFT_LIMIT:
+            out.append(f"- `{r.job}`: the shared baseline drifted {100 * drift:+.0f}% (its first batch measured again "
+                       "in this job): the machine's load moved; rerun with baseline=paired.")
+    if "per_position_basis" in df.columns and df.per_position_basis.dropna().nunique() > 1:
+        groups = df.dropna(subset=["per_position_basis"]).groupby("per_position_basis")
+        out.append("- Per-position curves of different bases are not comparable: "
+                   + "; ".join(f"{basis}: {', '.join(sorted(set(g.backend + '/' + g.method)))}" for basis, g in groups))
+    return (["## Flags", ""] + out + [""]) if out else []
 
 
 def main(argv=None) -> int:

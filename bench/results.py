@@ -13,11 +13,55 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import pandas as pd
 
 COMPLETE_STATUSES = ("ok", "skipped")
+
+
+@dataclass(frozen=True)
+class JobKey:
+    """What identifies a job, once, for the runner (the row's identity columns), the results index,
+    the gate (its job keys) and the report: the names of backend, model, method and workload,
+    every sweep setting that changes what is measured, and `config_hash`, a digest of the four
+    configs' other values (a method's knobs, a backend's dtype), so that two jobs that differ
+    anywhere never share a key."""
+    backend: str
+    model: str
+    method: str
+    workload: str
+    batch_size: int
+    temperature: float
+    top_p: float
+    top_k: int
+    num_speculative_tokens: int
+    max_new_tokens: int
+    num_prompts: int
+    seed: int
+    config_hash: str | None = None  # None in rows written before it existed
+
+    @classmethod
+    def from_config(cls, c: dict) -> "JobKey":
+        groups = ("backend", "model", "method", "workload")
+        return cls(*(c[g]["name"] for g in groups), *(c[f.name] for f in fields(cls)[4:-1]),
+                   config_hash=short_hash({g: c[g] for g in groups}))
+
+    @classmethod
+    def from_row(cls, row) -> "JobKey":
+        """From a summary row; a row missing an identity field is a ValueError naming it."""
+        missing = [f.name for f in fields(cls)[:-1] if row.get(f.name) is None]
+        if missing:
+            raise ValueError(f"a result row has no {', '.join(missing)}")
+        get = lambda f: row.get(f.name)  # noqa: E731
+        return cls(*(str(get(f)) for f in fields(cls)[:4]), int(get(fields(cls)[4])), float(get(fields(cls)[5])),
+                   float(get(fields(cls)[6])), *(int(get(f)) for f in fields(cls)[7:-1]), config_hash=row.get("config_hash"))
+
+    def label(self) -> str:
+        return (f"{self.backend}/{self.model}/{self.method}/{self.workload}/b{self.batch_size}/t{self.temperature:g}"
+                f"/k{self.num_speculative_tokens}/n{self.max_new_tokens}/p{self.num_prompts}/s{self.seed}"
+                f"/topp{self.top_p:g}/topk{self.top_k}/{self.config_hash or '-'}")
 
 
 def atomic_write(path: Path, write) -> None:
@@ -97,11 +141,14 @@ def job_identity(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in drop}
 
 
-def baseline_identity(cfg: dict) -> dict:
-    """What a baseline depends on: everything but the method and its draft length."""
+def baseline_identity(cfg: dict, engine_key: dict | None = None) -> dict:
+    """What a baseline depends on: everything but the method and its draft length, plus what the
+    engine declares of the method that changes its baseline path (Backend.baseline_key)."""
     ident = job_identity(cfg)
     for k in ("method", "num_speculative_tokens", "baseline", "lossless_margin_tol"):
         ident.pop(k, None)
+    if engine_key:
+        ident["engine_baseline"] = engine_key
     return ident
 
 

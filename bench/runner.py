@@ -6,6 +6,7 @@ import logging
 import math
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -16,24 +17,17 @@ from omegaconf import DictConfig, OmegaConf
 from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 
 from . import environment, metrics
-from .backend import Backend, BatchOutput, Sampling, instantiate_backend
+from .backend import Backend, BackendError, BatchOutput, Sampling, instantiate_backend
 from .config import ConfigError, validate
-from .results import (baseline_identity, build_index, file_lock, is_complete, job_name, read_json, short_hash,
+from .results import (JobKey, baseline_identity, build_index, file_lock, is_complete, job_name, read_json, short_hash,
                       write_json, write_parquet, write_text)
 
 log = logging.getLogger("specsweep")
 PROCESS_START = time.time()
 
-KEY_COLUMNS = ("backend", "model", "method", "workload", "batch_size", "temperature", "top_p", "top_k",
-               "num_speculative_tokens", "max_new_tokens", "num_prompts", "repeats", "seed")
-
-
 def _key_row(c: dict) -> dict:
-    row = {"backend": c["backend"]["name"], "model": c["model"]["name"], "method": c["method"]["name"],
-           "workload": c["workload"]["name"]}
-    row.update({k: c[k] for k in KEY_COLUMNS[4:]})
-    row["baseline_mode"] = c["baseline"]
-    return row
+    """The row's identity columns (JobKey), and how it was measured."""
+    return {**asdict(JobKey.from_config(c)), "repeats": c["repeats"], "baseline_mode": c["baseline"]}
 
 
 def check_backend_supports(c: dict) -> None:
@@ -60,18 +54,26 @@ class Measurement:
     def repeats(self) -> list[int]:
         return sorted({r for r, *_ in self.runs})
 
+    def batch_table(self) -> list[dict]:
+        """Per measured batch: its repeat, index, output tokens and wall seconds (the pairing unit)."""
+        return [{"repeat": r, "batch": bi, "tokens": sum(len(q.output_token_ids) for q in o.requests), "wall_s": o.wall_s}
+                for r, bi, _, o in self.runs]
+
     def tables(self, prompts, prompt_ids, backend: Backend) -> tuple[pd.DataFrame, pd.DataFrame]:
         req_rows, cyc_rows = [], []
+        contract = backend.latency_contract()
         for rep, bi, idx, out in self.runs:
             for row, (i, q) in enumerate(zip(idx, out.requests)):
                 n = len(q.output_token_ids)
-                itl = list(np.diff(q.emit_times_s)) if len(q.emit_times_s) > 1 else []
+                ttft, e2e = latency(q, contract)
+                # inter-chunk gaps only where the engine stamps more than the first and last token
+                itl = list(np.diff(q.emit_times_s)) if contract["emit_granularity"] != "none" and len(q.emit_times_s) > 1 else []
                 req_rows.append({
                     "drafted": q.drafted, "accepted": q.accepted,
                     "run": self.kind, "repeat": rep, "batch": bi, "request_id": prompts[i].id, "category": prompts[i].category,
                     "prompt_token_ids": prompt_ids[i], "output_token_ids": q.output_token_ids,
                     "output_text": backend.detokenize(q.output_token_ids), "n_prompt": len(prompt_ids[i]), "n_output": n,
-                    "ttft_s": q.ttft_s, "e2e_s": q.e2e_s, "tpot_s": (q.e2e_s - q.ttft_s) / (n - 1) if n > 1 else math.nan,
+                    "ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / (n - 1) if n > 1 else math.nan,
                     "itl_s": itl, "finished_by": q.finished_by, "top2_margins": q.top2_margins})
             for cy in out.cycles or []:
                 cyc_rows.append({"run": self.kind, "repeat": rep, "batch": bi, "request_id": prompts[idx[cy["row"]]].id, **cy})
@@ -83,17 +85,39 @@ class Measurement:
                              for rep, bi, _, out in self.runs for st in out.steps or []])
 
 
-def _measure_once(backend, kind, m: Measurement, ids, batches, c, repeat, progress):
+def latency(q, contract: dict) -> tuple[float, float]:
+    """A request's TTFT and E2E as the adapter's latency contract allows; NaN, never a stand-in,
+    where the engine did not give one."""
+    ttft = q.ttft_s if contract["ttft_source"] != "unavailable" and q.ttft_s is not None else math.nan
+    return ttft, q.e2e_s if q.e2e_s is not None else math.nan
+
+
+def latency_note(contract: dict, req: pd.DataFrame) -> str | None:
+    """Why a latency metric is NaN, if one is."""
+    notes = []
+    if contract["ttft_source"] == "unavailable":
+        notes.append("ttft/tpot: the engine reports no time to first token")
+    elif len(req) and req.ttft_s.isna().any():
+        notes.append(f"ttft/tpot: missing for {int(req.ttft_s.isna().sum())} of {len(req)} requests (the engine gave none)")
+    if contract["emit_granularity"] == "none":
+        notes.append("itl: the engine stamps no times between the first and last token")
+    return "; ".join(notes) or None
+
+
+def _measure_batch(backend, m: Measurement, ids, bi: int, idx: list[int], c, repeat: int):
+    """One batch of one arm. Its sampling seed depends on (repeat, batch) alone, so the baseline
+    and the method see the same requests with the same seeds: the two halves of a pair."""
+    sp = Sampling(c["temperature"], c["top_p"], c["top_k"], seed=c["seed"] * 100003 + repeat * 1009 + bi)
+    out = backend.generate([ids[i] for i in idx], sp, c["max_new_tokens"], speculative=m.kind == "spec")
+    m.runs.append((repeat, bi, idx, out))
+
+
+def _measure_repeat(backend, m: Measurement, ids, batches, c, repeat, progress):
+    """Every batch of one arm, once (the shared baseline's way of measuring)."""
     for bi, idx in enumerate(batches):
-        sp = Sampling(c["temperature"], c["top_p"], c["top_k"], seed=c["seed"] * 100003 + repeat * 1009 + bi)
-        out = backend.generate([ids[i] for i in idx], sp, c["max_new_tokens"], speculative=kind == "spec")
-        m.runs.append((repeat, bi, idx, out))
+        _measure_batch(backend, m, ids, bi, idx, c, repeat)
         if progress:
             progress()
-
-
-def _baseline_summary(base: Measurement) -> dict:
-    return {"throughputs": [base.throughput(r) for r in base.repeats()]}
 
 
 def run_job(cfg: DictConfig, progress_factory=None) -> dict:
@@ -111,24 +135,30 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     env_start = environment.snapshot()
     t_job = time.time()
     backend = None
+    phase = "setup"  # a ValueError while the job is set up is a configuration error; later, a bug
     try:
         wparams = {k: v for k, v in c["workload"].items() if k != "name"}
         prompts = load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], **wparams)
         backend = instantiate_backend(c["backend"], c["model"], c["method"], c["num_speculative_tokens"])
         backend.set_artifact_dir(jdir)
+        phase = "measure"
         row.update(_measure(backend, c, prompts, root, jdir, progress_factory))
         row["status"] = "ok"
     except WorkloadUnavailable as e:
         row.update(status="skipped", error=str(e))
         log.warning("skipped %s: %s", jdir.name, e)
-    except (WorkloadError, ConfigError, ValueError, FileNotFoundError) as e:
-        row.update(status="error", error=f"{type(e).__name__}: {e}")
-        log.error("job %s failed: %s", jdir.name, e)
     except KeyboardInterrupt:
         raise  # completed jobs are on disk already; this one is left incomplete and reruns next time
-    except Exception as e:  # an engine failure (out of memory included) is a row, and the sweep goes on
-        row.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8))
-        log.error("job %s failed: %s: %s", jdir.name, type(e).__name__, e)
+    except Exception as e:  # a row, and the sweep goes on
+        kind = error_kind(e, phase)
+        row.update(status="error", error=f"{type(e).__name__}: {e}", error_kind=kind)
+        if kind == "config":
+            log.error("job %s: configuration error: %s", jdir.name, e)
+        else:  # an engine failure (out of memory included) or a bug in measuring: the traceback is kept
+            write_text(jdir / "traceback.txt", traceback.format_exc())
+            row["traceback"] = str(jdir / "traceback.txt")
+            log.error("job %s failed (%s): %s: %s; traceback in %s", jdir.name, kind, type(e).__name__, e,
+                      jdir / "traceback.txt")
     finally:
         if backend is not None:
             backend.close()
@@ -144,6 +174,19 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     write_json(jdir / "summary.json", row)
     build_index(root)
     return row
+
+
+def error_kind(e: Exception, phase: str) -> str:
+    """config: a bad value, caught while the job is set up (before anything is measured); engine:
+    the engine failed (BackendError: a crash, a refused request, a timeout); internal: anything
+    else, a bug in measuring, never to be mistaken for a user's mistake."""
+    if isinstance(e, (ConfigError, WorkloadError)):
+        return "config"
+    if isinstance(e, BackendError):
+        return "engine"
+    if phase == "setup" and isinstance(e, (ValueError, FileNotFoundError)):
+        return "config"
+    return "internal"
 
 
 def _engine_version(engine: dict | None) -> str | None:
@@ -165,47 +208,64 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     progress = progress_factory(jdir.name, n_steps) if progress_factory else None
     if c["warmup"]:
         warm = dict(c, max_new_tokens=min(4, c["max_new_tokens"]))
-        for kind in (("base", "spec") if speculative else ("base",)):
-            _measure_once(backend, kind, Measurement(kind), ids, batches[:1], warm, -1, None)
+        for kind in (("baseline", "spec") if speculative else ("baseline",)):
+            _measure_batch(backend, Measurement(kind), ids, 0, batches[0], warm, -1)
 
     base, spec = Measurement("baseline"), Measurement("spec")
-    baseline_from = "this job"
     base_steps = None  # the baseline's timed steps: read here from a reused shared baseline, else from `base`
+    drift = {}
     if c["baseline"] == "paired" or not speculative:
-        for r in range(reps):  # interleaved: baseline, method, baseline, method, ...
-            _measure_once(backend, "base", base, ids, batches, c, r, progress)
-            if speculative:
-                _measure_once(backend, "spec", spec, ids, batches, c, r, progress)
+        # Paired: baseline and method on the same batch back to back, which goes first alternating,
+        # so that load hitting the machine hits both halves of a pair.
+        for r in range(reps):
+            for bi, idx in enumerate(batches):
+                arms = (base, spec) if (r + bi) % 2 == 0 else (spec, base)
+                for m in arms if speculative else (base,):
+                    _measure_batch(backend, m, ids, bi, idx, c, r)
+                    if progress:
+                        progress()
+        baseline_from = "this job (paired, interleaved batch by batch)"
         base_req, base_cyc = base.tables(prompts, ids, backend)
-        base_tp = [base.throughput(r) for r in base.repeats()]
+        base_batches = base.batch_table()
     else:
-        bdir = root / "baselines" / short_hash(baseline_identity(c))
+        bident = baseline_identity(c, get_class(c["backend"]["_target_"]).baseline_key(c["method"]))
+        bdir = root / "baselines" / short_hash(bident)
         with file_lock(bdir / ".lock"):
             done = bdir / "baseline.json"
             fresh = done.exists() and not (c["force"] and done.stat().st_mtime < PROCESS_START)
-            if fresh:
-                base_tp = read_json(done)["throughputs"]
+            shared = read_json(done) if fresh else {}
+            if fresh and "batches" in shared:  # (a baseline from before per-batch records is measured again)
                 base_req = pd.read_parquet(bdir / "requests.parquet")
                 base_cyc = pd.read_parquet(bdir / "cycles.parquet")
                 steps_file = bdir / "steps.parquet"
                 base_steps = pd.read_parquet(steps_file) if steps_file.exists() else pd.DataFrame()
+                base_batches = shared["batches"]
                 baseline_from = f"shared {bdir.name} (reused)"
                 if progress:
                     progress(reps * len(batches))
+                # The shared baseline was measured under the machine's load then; its first batch,
+                # measured again now, says how far that load has moved (baseline_drift).
+                again = Measurement("baseline")
+                _measure_batch(backend, again, ids, 0, batches[0], c, 0)
+                first = next(b for b in base_batches if b["repeat"] == 0 and b["batch"] == 0)
+                now = again.batch_table()[0]
+                drift = {"baseline_drift": (now["tokens"] / now["wall_s"]) / (first["tokens"] / first["wall_s"]) - 1}
             else:
                 for r in range(reps):
-                    _measure_once(backend, "base", base, ids, batches, c, r, progress)
+                    _measure_repeat(backend, base, ids, batches, c, r, progress)
                 base_req, base_cyc = base.tables(prompts, ids, backend)
-                base_tp = [base.throughput(r) for r in base.repeats()]
+                base_batches = base.batch_table()
                 write_parquet(bdir / "requests.parquet", base_req)
                 write_parquet(bdir / "cycles.parquet", base_cyc)
                 measured_steps = base.steps_table()
                 if len(measured_steps):
                     write_parquet(bdir / "steps.parquet", measured_steps)
-                write_json(done, {"throughputs": base_tp, "identity": baseline_identity(c)})
+                write_json(done, {"throughputs": [base.throughput(r) for r in base.repeats()], "batches": base_batches,
+                                  "identity": bident})
                 baseline_from = f"shared {bdir.name} (measured here)"
+                drift = {"baseline_drift": 0.0}
         for r in range(reps):
-            _measure_once(backend, "spec", spec, ids, batches, c, r, progress)
+            _measure_repeat(backend, spec, ids, batches, c, r, progress)
     if progress:
         progress(close=True)
 
@@ -221,17 +281,64 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
         write_parquet(jdir / "steps.parquet", pd.concat([own_base_steps, spec_steps], ignore_index=True))
 
     engine = backend.describe()
-    out = {"baseline_from": baseline_from, "engine": engine, "drafter": engine.get("drafter")}
+    contract = backend.latency_contract()
+    out = {"baseline_from": baseline_from, "engine": engine, "drafter": engine.get("drafter"), **contract,
+           "latency_note": latency_note(contract, spec_req if speculative else base_req)}
+    out.update(drift)
+    out.update(roofline(backend, c, base_cyc, base_steps, base_req))
+    base_tp = _throughputs(base_batches)
     out["baseline_tokens_per_s"] = float(np.median(base_tp))
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
+    spec_batches = spec.batch_table()
     out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
-                         [spec.throughput(r) for r in spec.repeats()] if speculative else base_tp, speculative,
-                         sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps))
+                         _throughputs(spec_batches) if speculative else base_tp, speculative,
+                         sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps,
+                         pairs=_pairs(base_batches, spec_batches) if speculative else None))
     return out
 
 
+def roofline(backend: Backend, c: dict, base_cyc: pd.DataFrame, base_steps, base_req: pd.DataFrame) -> dict:
+    """How close the baseline runs to the machine's limit: a decode step must read every weight
+    once, so weight bytes / read bandwidth is its roofline time. baseline_step_ms is the median
+    baseline decode step: from its cycles (draft + verify + other), else from engine-timed steps,
+    else the requests' median TPOT. A share far below 1 means a slow baseline, which inflates every
+    speedup measured against it. KV-cache reads are left out (small at these lengths)."""
+    nbytes = backend.weight_bytes_per_step()
+    if len(base_cyc):
+        bc = metrics.batched_cycles(base_cyc)
+        step, source = float(np.median(bc.t_draft + bc.t_verify + bc.t_other)), "baseline cycles"
+    elif base_steps is not None and len(base_steps) and "t_total" in base_steps and base_steps.decode.any():
+        step, source = float(np.median(base_steps[base_steps.decode].t_total)), "engine-timed baseline steps"
+    elif len(base_req) and base_req.tpot_s.notna().any():
+        step, source = float(base_req.tpot_s.median()), "baseline requests' median TPOT"
+    else:
+        step, source = math.nan, "unavailable"
+    device = c["backend"].get("device") or "cpu"
+    bw = environment.read_bandwidth_gbs("cuda" if str(device).startswith("cuda") else "cpu") if nbytes else math.nan
+    roof = nbytes / (bw * 1e9) if nbytes else math.nan
+    return {"baseline_step_ms": step * 1e3, "roofline_step_ms": roof * 1e3, "baseline_roofline_share": roof / step
+            if step == step and roof == roof and step > 0 else math.nan, "read_bandwidth_gbs": bw,
+            "weight_bytes_per_step": nbytes, "baseline_step_source": source}
+
+
+def _throughputs(batches: list[dict]) -> list[float]:
+    """Tokens per second of each repeat (all its batches together)."""
+    per = {}
+    for b in batches:
+        tok, wall = per.get(b["repeat"], (0, 0.0))
+        per[b["repeat"]] = (tok + b["tokens"], wall + b["wall_s"])
+    return [t / w if w > 0 else math.nan for t, w in per.values()]
+
+
+def _pairs(base_batches: list[dict], spec_batches: list[dict]) -> pd.DataFrame:
+    """Baseline and method batch by batch: the same (repeat, batch), so the same requests and seeds."""
+    b = pd.DataFrame(base_batches)
+    s = pd.DataFrame(spec_batches)
+    return s.merge(b, on=["repeat", "batch"], suffixes=("_spec", "_base"))
+
+
 def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool, counters=None,
-              spec_steps=None, base_steps=None) -> dict:
+              spec_steps=None, base_steps=None, pairs: pd.DataFrame | None = None) -> dict:
     """Every metric of DESIGN.md from the measured tables; where the engine keeps no per-cycle
     trace, acceptance comes from its counters (a SpecCounters total), and the time split from its
     timed engine steps where it has them (decode steps only, as for cycles), under the same
@@ -240,8 +347,13 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
     req = spec_req if speculative else base_req
     cyc = spec_cyc if speculative else base_cyc
     s = {"tokens_per_s": float(np.median(spec_tp))}
-    s.update(metrics.speedup_with_interval(spec_tp, base_tp, seed=c["seed"]) if speculative
-             else {"speedup": 1.0, "speedup_ci_low": 1.0, "speedup_ci_high": 1.0})
+    if not speculative:
+        s.update(speedup=1.0, speedup_ci_low=1.0, speedup_ci_high=1.0)
+    elif pairs is not None:  # batch by batch: a cluster bootstrap over the pairs
+        s.update(metrics.paired_speedup(pairs.tokens_spec, pairs.wall_s_spec, pairs.tokens_base, pairs.wall_s_base,
+                                        seed=c["seed"]))
+    else:
+        s.update(metrics.speedup_with_interval(spec_tp, base_tp, seed=c["seed"]))
     s["output_tokens"] = int(req.n_output.sum()) if len(req) else 0
     s.update(metrics.percentiles(req.ttft_s, prefix="ttft_"))
     s.update(metrics.percentiles(req.tpot_s, prefix="tpot_"))
@@ -261,8 +373,7 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
                  conditional_acceptance=[], verify_cost_ratio=math.nan, draft_cost_ratio=math.nan, predicted_speedup=math.nan)
         s.update(metrics.request_acceptance(pd.DataFrame({"request_id": [], "drafted": [], "accepted": []})))
         if speculative and counters is not None:
-            s.update(metrics.counters_metrics(counters.drafts, counters.draft_tokens, counters.accepted_tokens,
-                                              counters.accepted_per_position, k))
+            s.update(metrics.acceptance(counters, k))
             s["engine_counters"] = vars(counters)
             per = spec_req.dropna(subset=["drafted"])
             if len(per):
@@ -278,10 +389,9 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
             else:
                 s["time_split"] = "unavailable: the engine reports no draft/verify time split"
         return s
-    s["acceptance_rate"] = metrics.acceptance_rate(cyc.drafted, cyc.accepted)
-    s["mean_acceptance_length"] = metrics.mean_acceptance_length(cyc.drafted, cyc.accepted)
-    s["per_position_acceptance"] = metrics.per_position_acceptance(cyc.drafted, cyc.accepted, k)
-    s["conditional_acceptance"] = metrics.conditional_acceptance(cyc.drafted, cyc.accepted, k)
+    record = metrics.counts_from_cycles(cyc.drafted, cyc.accepted, k)
+    s.update(metrics.acceptance(record, k))
+    s["acceptance_counts"] = vars(record)
     s.update(metrics.request_acceptance(cyc))
     s["drafted_share"] = float((cyc.drafted > 0).mean())  # cycles that had a proposal at all
     if "draft_source" in cyc.columns:

@@ -29,7 +29,8 @@ def _summaries(sweep: Path):
 @pytest.mark.slow
 def test_small_real_sweep_end_to_end(tmp_path):
     r = specsweep(f"results_dir={tmp_path}", "sweep_name=e2e", "method=ngram,layer_skip", "workload=code_edit",
-                  "batch_size=1,2", "num_prompts=2", "max_new_tokens=10", "repeats=2", "num_speculative_tokens=3")
+                  "batch_size=1,2", "num_prompts=2", "max_new_tokens=10", "repeats=2", "num_speculative_tokens=3",
+                  "baseline=shared")
     assert r.returncode == 0, r.stderr[-3000:]
     sweep = tmp_path / "e2e"
     idx = pd.read_parquet(sweep / "index.parquet")

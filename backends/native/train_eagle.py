@@ -237,10 +237,12 @@ def held_out_acceptance(model, tokenizer, eos, head, k: int, prompts: list[str],
 
     ids = [tokenizer.encode(t).ids for t in prompts]
     _, cycles, _ = generate(model, ids, max_new_tokens, SamplingParams(), drafter=HeadDrafter(head, model, k, "eval"), eos_ids=eos)
-    drafted = sum(c["drafted"] for c in cycles)
-    acc = sum(c["accepted"] for c in cycles)
-    return {"prompts": len(ids), "k": k, "acceptance_rate": acc / drafted if drafted else None,
-            "mean_acceptance_length": sum(c["accepted"] + 1 for c in cycles if c["drafted"]) / max(1, sum(1 for c in cycles if c["drafted"]))}
+    from bench import metrics  # the harness's one definition of each acceptance metric
+
+    m = metrics.acceptance(metrics.counts_from_cycles([c["drafted"] for c in cycles], [c["accepted"] for c in cycles], k), k)
+    nan_to_none = lambda v: None if v != v else v  # noqa: E731
+    return {"prompts": len(ids), "k": k, "acceptance_rate": nan_to_none(m["acceptance_rate"]),
+            "mean_acceptance_length": nan_to_none(m["mean_acceptance_length"])}
 
 
 def eval_prompts(workloads, n: int) -> list[str]:
