@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, reject_unknown
 
 from .cpu_probe import MODES, decide, file_identity, run_child
 from .processes import Worker
@@ -89,13 +89,22 @@ def gguf_tensor_bytes(path: str) -> int:
     return int(sum(int(t.n_bytes) for t in GGUFReader(path).tensors))
 
 
-def library_identity() -> dict:
-    """llama-cpp-python's version and the shared library it loads: a rebuild is a new identity."""
-    import llama_cpp
+def library_version() -> str:
+    """llama-cpp-python's version, read without importing it: the sweep's own process never loads
+    llama.cpp's native code (its worker and the probe do)."""
+    from importlib import metadata
 
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    libs = sorted(lib_dir.glob("libllama*.so*")) or sorted(lib_dir.glob("*llama*"))
-    return {"llama_cpp": llama_cpp.__version__, **({"lib": file_identity(libs[0])} if libs else {})}
+    return metadata.version("llama_cpp_python")
+
+
+def library_identity() -> dict:
+    """llama-cpp-python's version and the native libraries it loads: a rebuild is a new identity."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    lib_dir = Path(spec.origin).parent / "lib"
+    libs = sorted(lib_dir.glob("lib*.so*"))  # libllama, libggml-cpu, ...: whichever was rebuilt
+    return {"llama_cpp": library_version(), "libs": [file_identity(p) for p in libs]}
 
 
 def repack_verdict(mode: str, gguf: str, threads: int):
@@ -125,11 +134,11 @@ class LlamaCppBackend(Backend):
         name = self.method.get("name")
         if name not in METHODS:
             raise ValueError(f"method {name!r} is not supported by backend llamacpp; it supports {', '.join(METHODS)}")
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError as e:
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
             raise ValueError("backend llamacpp needs llama-cpp-python (pip install llama-cpp-python; it builds "
-                             "llama.cpp from source, ~6-10 min on 2 cores)") from e
+                             "llama.cpp from source, ~6-10 min on 2 cores)")
         self.path = resolve_gguf(model["path"])
         self.k = num_speculative_tokens
         self.draft_path = None
@@ -143,6 +152,16 @@ class LlamaCppBackend(Backend):
         self.repack = repack_verdict(self.cfg.repack, self.path, self.threads)
         self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llamacpp-"))
         self.worker: Worker | None = None  # started at first use, its log in the job folder
+
+    @classmethod
+    def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
+        reject_unknown(settings, [f.name for f in fields(LlamaCppConfig)], "llamacpp")
+        LlamaCppConfig(**settings)
+        resolve_gguf(model["path"])
+        if method.get("name") == "draft_model":
+            if not method.get("draft_path"):
+                raise ValueError("method draft_model on backend llamacpp needs method.draft_path=FILE.gguf")
+            resolve_gguf(method["draft_path"])
 
     @classmethod
     def baseline_key(cls, method: dict) -> dict:
@@ -175,9 +194,7 @@ class LlamaCppBackend(Backend):
         return self._call({"op": "detokenize", "ids": list(ids)})["text"]
 
     def describe(self) -> dict:
-        import llama_cpp
-
-        return {"engine": "llama.cpp (llama-cpp-python)", "llama_cpp": llama_cpp.__version__,
+        return {"engine": "llama.cpp (llama-cpp-python)", "llama_cpp": library_version(),
                 "threads": self.threads, "model_resolved": self.path, "flash_attn": self.cfg.flash_attn,
                 "repack": "on" if self.repack.usable else "off", "repack_reason": self.repack.reason,
                 "weight_buffers_mib": getattr(self, "weight_buffers", None),  # as llama.cpp's load reported them

@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
+from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters, reject_unknown
 
 from .cpu_probe import MODES, Inconclusive, decide, describe_exit, file_identity, killed_by_signal
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
@@ -212,6 +212,18 @@ class LlamaServerBackend(Backend):
         no_repack = [] if self.repack.usable else ["--no-repack"]
         self.flags = {False: spec_flags({"name": "autoregressive"}, self.k) + no_repack,
                       True: spec_flags(self.method, self.k) + no_repack}
+
+    @classmethod
+    def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
+        reject_unknown(settings, ("threads", "ctx_per_slot", "binary", "port", "startup_timeout_s", "repack"), "llamacpp_server")
+        repack = settings.get("repack", "auto")
+        if not isinstance(repack, bool) and repack not in MODES:
+            raise ValueError(f"backend.repack={repack!r} is not valid; use auto (probe this CPU once), on or off")
+        if settings.get("threads") is not None and settings["threads"] < 1:
+            raise ValueError(f"backend.threads={settings['threads']} is not valid; use a positive count or null")
+        find_binary(settings.get("binary"))
+        resolve_gguf(model["path"])
+        spec_flags(method, num_speculative_tokens)  # an unknown method or a draft model without its file
 
     def set_artifact_dir(self, path) -> None:
         self.logdir = Path(path)

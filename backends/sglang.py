@@ -16,7 +16,7 @@ cycle with a draft), spec_num_proposed_drafts (= spec_verify_ct x (speculative_n
 tokens, bonus excluded) and spec_correct_drafts_histogram (index j: verifies that accepted j
 drafts), from which the per-position counts follow. SGLang's own spec_accept_length is
 completion_tokens / spec_verify_ct: it includes the bonus token and also the token of the
-prefill, so it exceeds DESIGN.md's mean_acceptance_length by 1/spec_verify_ct. /metrics has no
+prefill, so it exceeds specsweep's mean_acceptance_length (docs/metrics.md) by 1/spec_verify_ct. /metrics has no
 accepted-token counter (spec_accept_length and spec_accept_rate are gauges over the last logging
 window, get_server_info's average is cumulative since start): its sglang:spec_verify_calls_total
 delta is kept beside the metrics as a cross-check of the summed spec_verify_ct.

@@ -78,6 +78,15 @@ class BatchOutput:
     steps: list[dict] | None = None
 
 
+def reject_unknown(settings: dict, valid, backend: str) -> None:
+    """A backend setting nobody reads is a typo (or a `+key=` Hydra suggested): refused, with the
+    valid keys, rather than silently ignored."""
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise ValueError(f"backend.{unknown[0]} is not a setting of backend {backend}"
+                         + (f" (nor {', '.join(unknown[1:])})" if unknown[1:] else "") + f"; valid: {', '.join(valid)}")
+
+
 class BackendError(RuntimeError):
     """An engine failed on a request: the job is recorded with status=error."""
 
@@ -119,6 +128,12 @@ class Backend(abc.ABC):
         ...; and a note on how exact that is. None when the engine or method cannot; the trace
         builder then says the method is unavailable."""
         return None
+
+    @classmethod
+    def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
+        """Check this engine's settings (the backend config less _target_ and name), the model and
+        the method's files without loading anything: a ValueError or FileNotFoundError naming the
+        bad value and what is valid. Run for every job of a sweep before the first one starts."""
 
     @classmethod
     def baseline_key(cls, method: dict) -> dict:

@@ -1,4 +1,8 @@
-"""Command-line entry points: `specsweep` (a Hydra app) and the end-of-sweep summary."""
+"""Command-line entry points: `specsweep` (a Hydra app) and the end-of-sweep summary.
+
+Exit status: 0 every job ok (or skipped: a workload unavailable here); 1 some jobs failed (their
+error rows, the table and the report are still written); 2 bad input (nothing ran: in a multirun
+every job is checked first, bench/sweeper.py)."""
 from __future__ import annotations
 
 import logging
@@ -65,6 +69,11 @@ def print_table(df, title: str = "specsweep") -> None:
 class SweepSummary(Callback):
     """After a sweep: gather the index, print the table, write the report."""
 
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from .sweeper import check_sweep
+
+        check_sweep(config)  # every job, before any runs: bad input anywhere is exit 2 and nothing runs
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self._finish(config)
 
@@ -88,9 +97,12 @@ class SweepSummary(Callback):
         if config.report:
             out = write_report(sweep_dir)
             print(f"results: {sweep_dir}\nreport:  {out / 'summary.md'} (plots in {out})")
+        if len(errors):  # exit status 1: some jobs failed (their rows, the table and the report are written)
+            print(f"specsweep: {len(errors)} of {len(df)} jobs failed (status=error)", file=sys.stderr)
+            raise SystemExit(1)
 
 
-# conf/ sits at the project root (DESIGN.md's layout); an absolute path finds it from any cwd.
+# conf/ sits at the project root; an absolute path finds it from any cwd.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 

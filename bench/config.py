@@ -84,6 +84,9 @@ def validate(cfg) -> None:
     for key in ("max_new_tokens", "num_prompts", "repeats"):
         if cfg[key] < 1:
             problems.append(f"{key}={cfg[key]}: use 1 or more")
+    if cfg.num_prompts >= 1 and cfg.batch_size > cfg.num_prompts:
+        problems.append(f"batch_size={cfg.batch_size} with num_prompts={cfg.num_prompts}: a batch can hold at most "
+                        f"the {cfg.num_prompts} prompts there are; use batch_size <= num_prompts or more prompts")
     if cfg.baseline not in ("shared", "paired"):
         problems.append(f"baseline={cfg.baseline!r}: use shared or paired")
     if not cfg.sweep_name or "/" in cfg.sweep_name:

@@ -6,7 +6,7 @@ draft (kind "relative") = fraction * verify_time                               (
 plus a fixed overhead per step, and a switching cost when a combined policy changes drafter.
 
 The published model (`llama3.1-8b-h100`) is SpecDecode-Bench's, fitted on InstructCoder at batch
-1-64 for Llama-3.1-8B-Instruct on one H100 (constants as published; see DESIGN.md).
+1-64 for Llama-3.1-8B-Instruct on one H100 (constants as the SpecDecode-Bench paper and code publish them).
 """
 from __future__ import annotations
 

@@ -58,13 +58,14 @@ _BANDWIDTH: dict[str, float] = {}
 
 def read_bandwidth_gbs(device: str = "cpu", reps: int = 8) -> float:
     """The memory read bandwidth of this machine (CPU) or device (CUDA), in GB/s: the best of
-    `reps` sums over a 512 MiB buffer (a roofline is a best case), about a second. Measured once
-    per process and device."""
+    `reps` sums over a 256 MiB buffer (far beyond any last-level cache; a roofline is a best
+    case), about a second. Measured once per process and device (the runner does it before a
+    model loads, so the buffer never adds to the job's peak memory)."""
     if device not in _BANDWIDTH:
         import torch
 
         on_cuda = device.startswith("cuda")
-        a = torch.ones(2**27, dtype=torch.float32, device=device)
+        a = torch.ones(2**26, dtype=torch.float32, device=device)
         a.sum()
         best = float("inf")
         for _ in range(reps):

@@ -55,6 +55,28 @@ def _num(v):
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
 
+NUMERIC = ("acceptance_rate", "mean_acceptance_length", "speedup", "speedup_ci_low", "speedup_ci_high", "tokens_per_s",
+           "baseline_tokens_per_s")
+
+
+def check_rows(df, sweep: Path) -> None:
+    """Every value the gate reads, of the type it must have: else a GateError naming the summary
+    file and the key (exit 2), never a traceback read as a regression."""
+    for _, r in df.iterrows():
+        where = sweep / str(r.get("job_dir")) / "summary.json"
+        for k in NUMERIC:
+            v = r.get(k)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                raise GateError(f"{where}: {k} = {v!r} is not a number")
+        pos = r.get("per_position_acceptance")
+        if pos is not None and not (isinstance(pos, float) and math.isnan(pos)) and not (
+                isinstance(pos, list) and all(x is None or isinstance(x, (int, float)) for x in pos)):
+            raise GateError(f"{where}: per_position_acceptance = {pos!r} is not a list of numbers")
+        if r.get("lossless") not in (None, "true", "false", "n/a") and not (isinstance(r.get("lossless"), float)):
+            raise GateError(f"{where}: lossless = {r.get('lossless')!r}; expected true, false or n/a")
+        job_key(r)  # identity fields present and of the right type
+
+
 def record(df) -> dict:
     jobs = {}
     for _, r in df.iterrows():
@@ -212,20 +234,36 @@ def main(argv=None) -> int:
     ap.add_argument("--speedup-tolerance", type=float, default=0.15)
     ap.add_argument("--throughput-tolerance", type=float, default=0.5)
     ap.add_argument("--allow-missing", action="store_true", help="a baseline job absent from the run does not fail")
+    ap.add_argument("--allow-failed", action="store_true",
+                    help="with --update: record the jobs that succeeded even though others failed")
     ap.add_argument("--summary", help="also write the markdown table here (e.g. $GITHUB_STEP_SUMMARY)")
     a = ap.parse_args(argv)
     try:
         sweeps = find_sweep_dirs(Path(a.results_dir))
         if len(sweeps) != 1:
             raise GateError(f"{a.results_dir}: expected one sweep folder with job results, found {len(sweeps)}")
-        df = load_summaries(sweeps[0])
+        try:
+            df = load_summaries(sweeps[0], strict=True)
+        except ValueError as e:
+            raise GateError(str(e)) from None
+        check_rows(df, sweeps[0])
         path = Path(a.baseline)
         if a.update:
+            failed = df[df.status == "error"]
+            if len(failed) and not a.allow_failed:
+                print(f"specsweep-gate: not recorded: {len(failed)} of {len(df)} jobs failed ("
+                      + ", ".join(failed.job_dir.astype(str)) + "); fix them, or pass --allow-failed to record the "
+                      "others", file=sys.stderr)
+                return 1
             b = record(df)
             if not b["jobs"]:
                 raise GateError(f"{a.results_dir}: no job with status ok to record")
             write_json(path, b)
             print(f"recorded {len(b['jobs'])} jobs as the baseline {path}")
+            left = df[df.status != "ok"]
+            if len(left):
+                print(f"left out {len(left)} jobs that did not succeed: "
+                      + ", ".join(f"{j} ({s})" for j, s in zip(left.job_dir, left.status)))
             return 0
         rows, failed = compare(df, load_baseline(path), _tolerances(a.tolerance), a.speedup_tolerance,
                                a.throughput_tolerance, a.allow_missing)

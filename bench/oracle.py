@@ -13,7 +13,7 @@ on. Policies:
 - randmatch:M:K[:P]  the published fixed-k n-gram model: where acc_len is 1 a copy of the request
                   has a match with probability P (published per dataset), else proposes nothing.
 
-Timing follows SpecDecode-Bench's methodology (DESIGN.md): prefill counted, per-step overhead,
+Timing follows SpecDecode-Bench's methodology: prefill counted, per-step overhead,
 target forward = c_kv * kv + c_compute * batched_tokens + c_fixed; a `repeat` batch is one request
 repeated B times; speedup = mean speculative throughput / mean baseline throughput over the
 sampled requests. The trajectory of a request under a deterministic policy does not depend on B,
@@ -43,6 +43,10 @@ class TraceError(ValueError):
     pass
 
 
+class PolicyError(ValueError):
+    pass
+
+
 @dataclass
 class Trace:
     id: str
@@ -54,25 +58,52 @@ class Trace:
     drafted: dict[str, np.ndarray] | None = None
 
 
+def _int_array(values, where: str, low: int) -> np.ndarray:
+    """A trace field as integers >= low; anything else is a TraceError naming where and what is valid."""
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < low:
+            raise TraceError(f"{where}[{i}] = {v!r}: each value must be an integer >= {low}")
+    return np.asarray(values, dtype=np.int64)
+
+
 def load_traces(path: str | Path) -> list[Trace]:
     """Read the interchange format: one JSON object per line with id, prompt_token_ids,
-    generated_token_ids and acc_<method>: {"acc_len": [...]} (published traces load as they are)."""
+    generated_token_ids and acc_<method>: {"acc_len": [...]} (published traces load as they are).
+    Checked so that no trace can be untrue: acc_len are integers >= 1, one per generated token, and
+    a cycle at generated position i emits at most the G - i tokens left (G generated tokens)."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"trace file {path!r} does not exist")
     out = []
     for n, d in read_jsonl(p, TraceError):
+        where = f"{path}, line {n}"
+        if not isinstance(d, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        for field in ("prompt_token_ids", "generated_token_ids"):
+            if field in d and not isinstance(d[field], list):
+                raise TraceError(f"{where}: {field} must be a list of token ids, got {d[field]!r:.60}")
+        gen = d.get("generated_token_ids", [])
         acc, drafted = {}, {}
-        for k, v in (d.items() if isinstance(d, dict) else ()):
+        for k, v in d.items():
             if k.startswith("acc_") and isinstance(v, dict) and isinstance(v.get("acc_len"), list):
-                arr = np.asarray(v["acc_len"], dtype=np.int64)
-                if len(arr) and arr.min() < 1:
-                    raise TraceError(f"{path}, line {n}: {k}.acc_len has a value below 1 (it counts emitted tokens)")
+                arr = _int_array(v["acc_len"], f"{where}: {k}.acc_len", 1)
+                if gen and len(arr) != len(gen):
+                    raise TraceError(f"{where}: {k}.acc_len has {len(arr)} values for {len(gen)} generated tokens; it "
+                                     "needs one per generated token")
+                if gen:
+                    left = len(gen) - np.arange(len(arr))
+                    over = np.flatnonzero(arr > left)
+                    if len(over):
+                        i = int(over[0])
+                        raise TraceError(f"{where}: {k}.acc_len[{i}] = {int(arr[i])}: a cycle at generated position {i} "
+                                         f"can emit at most the {int(left[i])} tokens left (valid: 1..{int(left[i])})")
                 acc[k[4:]] = arr
                 if isinstance(v.get("draft_len"), list):
-                    drafted[k[4:]] = np.asarray(v["draft_len"], dtype=np.int64)
+                    drafted[k[4:]] = _int_array(v["draft_len"], f"{where}: {k}.draft_len", 0)
+                    if len(drafted[k[4:]]) != len(arr):
+                        raise TraceError(f"{where}: {k}.draft_len has {len(drafted[k[4:]])} values, acc_len {len(arr)}")
         if not acc or "prompt_token_ids" not in d:
-            raise TraceError(f'{path}, line {n}: expected "prompt_token_ids" and at least one "acc_<method>": '
+            raise TraceError(f'{where}: expected "prompt_token_ids" and at least one "acc_<method>": '
                              '{"acc_len": [...]}')
         out.append(Trace(str(d.get("id", n)), len(d["prompt_token_ids"]), d.get("generated_token_ids", []), acc,
                          drafted or None))
@@ -99,17 +130,28 @@ class Policy:
     def parse(spec: str) -> "Policy":
         parts = spec.split(":")
         kind = parts[0]
+        def k_of(text: str) -> int:
+            k = int(text)
+            if not 1 <= k <= 64:
+                raise PolicyError(f"policy {spec!r}: draft length {k} is not valid; use 1..64")
+            return k
+
         try:
             if kind == "fixed" and len(parts) == 3:
-                return Policy("fixed", (parts[1],), int(parts[2]))
+                return Policy("fixed", (parts[1],), k_of(parts[2]))
             if kind == "oracle" and len(parts) == 2:
                 return Policy("oracle", (parts[1],))
             if kind == "combined" and len(parts) == 2 and "+" in parts[1]:
                 return Policy("combined", tuple(parts[1].split("+")))
             if kind == "fallback" and len(parts) == 3 and parts[1].count("+") == 1:
-                return Policy("fallback", tuple(parts[1].split("+")), int(parts[2]))
+                return Policy("fallback", tuple(parts[1].split("+")), k_of(parts[2]))
             if kind == "randmatch" and len(parts) in (3, 4):
-                return Policy("randmatch", (parts[1],), int(parts[2]), float(parts[3]) if len(parts) == 4 else None)
+                p = float(parts[3]) if len(parts) == 4 else None
+                if p is not None and not 0 <= p <= 1:
+                    raise PolicyError(f"policy {spec!r}: match probability {p:g} is not valid; use 0..1")
+                return Policy("randmatch", (parts[1],), k_of(parts[2]), p)
+        except PolicyError:
+            raise
         except ValueError:
             pass
         raise ValueError(f"policy {spec!r} is not valid; use fixed:METHOD:K, oracle:METHOD, combined:M1+M2[+...], "
@@ -137,7 +179,7 @@ def trajectory(t: Trace, pol: Policy) -> Trajectory:
     inp, acc, ran, win = [], [], [], []
     last_cheap_accepted = True
     n_m = len(accs)
-    while cur < G:
+    while cur < G:  # every cycle emits >= 1 token (acc_len >= 1, k >= 1 checked on input): at most G cycles
         pos = cur - 1
         if pol.kind in ("fixed", "randmatch"):
             gt = int(accs[0][pos])
@@ -160,6 +202,8 @@ def trajectory(t: Trace, pol: Policy) -> Trajectory:
                 il = min(pol.k, int(drafted[pos])) + 1
             r = (True, w == 1)  # the n-gram lookup runs every cycle; it is how the rule decides
         a = min(gt, il)
+        if a < 1:  # a trace or policy built around load_traces / Policy.parse: refuse rather than loop
+            raise ValueError(f"request {t.id}, policy {pol.name}: a cycle at position {pos} would emit {a} tokens")
         if pol.kind == "fallback" and w == 0:
             last_cheap_accepted = a > 1
         elif pol.kind == "fallback":

@@ -2,7 +2,7 @@
 "off", with the reason in numbers. Measurements decide; the seed's rules of thumb are used only
 where a measurement is missing, and a rule that the measurements contradict is said so.
 
-Rules of thumb (from the project's seed material, DESIGN.md):
+Rules of thumb (from the project's original design notes):
 - alpha x k < 1: fewer than one accepted token per cycle on average predicts a slowdown;
 - draft_fraction >= 0.2: a drafter taking a fifth of the cycle or more is too expensive to pay;
 - batch size >= 32: speculative gains shrink as the target's forward stops being memory-bound.

@@ -64,13 +64,24 @@ class JobKey:
                 f"/topp{self.top_p:g}/topk{self.top_k}/{self.config_hash or '-'}")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would give: mkstemp's 0600 would shut out a shared file system's group
+
+
 def atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then rename over path: a crash never leaves a half-written file."""
+    """write(tmp_path) then rename over path: a crash never leaves a half-written file. The file
+    gets the user's umask, as any file the user writes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -152,22 +163,67 @@ def baseline_identity(cfg: dict, engine_key: dict | None = None) -> dict:
     return ident
 
 
+MANIFEST = "manifest.json"
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, names) -> None:
+    """Written last: the size and hash of every file a job (or shared baseline) wrote. A folder is
+    complete only when its manifest exists and every file in it still matches."""
+    folder = Path(folder)
+    files = {n: {"size": (folder / n).stat().st_size, "sha256": _digest(folder / n)} for n in names if (folder / n).exists()}
+    write_json(folder / MANIFEST, {"files": files})
+
+
+def incomplete_reason(folder: Path) -> str | None:
+    """None if the folder's manifest and every file it names check out, else why not."""
+    folder = Path(folder)
+    try:
+        files = read_json(folder / MANIFEST)["files"]
+    except FileNotFoundError:
+        return "no manifest (the run that wrote it did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its manifest is unreadable ({type(e).__name__})"
+    for name, want in files.items():
+        p = folder / name
+        if not p.exists():
+            return f"{name} is missing"
+        if p.stat().st_size != want["size"] or _digest(p) != want["sha256"]:
+            return f"{name} changed or is truncated since it was written"
+    return None
+
+
 def is_complete(job_dir: Path) -> bool:
     s = Path(job_dir) / "summary.json"
     if not s.exists():
         return False
     try:
-        return read_json(s).get("status") in COMPLETE_STATUSES
-    except (json.JSONDecodeError, OSError):
+        row = read_json(s)
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
         return False
+    # a status that counts as done, and every file the job wrote as it was written
+    return isinstance(row, dict) and row.get("status") in COMPLETE_STATUSES and incomplete_reason(job_dir) is None
 
 
-def load_summaries(sweep_dir: Path) -> pd.DataFrame:
+def load_summaries(sweep_dir: Path, strict: bool = False) -> pd.DataFrame:
+    """Every job's summary row. An unreadable one (not JSON, not an object) is left out, or, with
+    strict (the gate), a ValueError naming the file."""
     rows = []
     for s in sorted(Path(sweep_dir).glob("*/summary.json")):
         try:
             row = read_json(s)
-        except (json.JSONDecodeError, OSError):
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except (json.JSONDecodeError, OSError, UnicodeDecodeError, ValueError) as e:
+            if strict:
+                raise ValueError(f"{s}: not a job summary ({e})") from None
             continue
         row["job_dir"] = s.parent.name
         rows.append(row)

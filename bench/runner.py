@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import traceback
 from dataclasses import asdict
@@ -19,10 +20,13 @@ from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 from . import environment, metrics
 from .backend import Backend, BackendError, BatchOutput, Sampling, instantiate_backend
 from .config import ConfigError, validate
-from .results import (JobKey, baseline_identity, build_index, file_lock, is_complete, job_name, read_json, short_hash,
+from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
+                      read_json, short_hash, write_manifest,
                       write_json, write_parquet, write_text)
 
 log = logging.getLogger("specsweep")
+JOB_FILES = ("config.yaml", "summary.json", "requests.parquet", "cycles.parquet", "steps.parquet", "traceback.txt")
+BASELINE_FILES = ("baseline.json", "requests.parquet", "cycles.parquet", "steps.parquet")
 PROCESS_START = time.time()
 
 def _key_row(c: dict) -> dict:
@@ -36,6 +40,38 @@ def check_backend_supports(c: dict) -> None:
     if supported and c["method"]["name"] not in supported:
         raise ConfigError(f"method {c['method']['name']!r} is not supported by backend {c['backend']['name']!r}; "
                           f"it supports {', '.join(supported)}")
+
+
+def check_results_dir(sweep: Path, job: str) -> None:
+    """The results can be written: no file where a folder must be, write permission where the
+    first missing folder would be made."""
+    import os
+
+    for p in (sweep.parent, sweep, sweep / job):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"results folder {p} is a file, not a folder; move it away or choose another "
+                              "results_dir / sweep_name")
+    existing = next(p for p in (sweep / job, sweep, *sweep.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"results_dir: cannot write under {existing} (no write permission); choose a "
+                          "results_dir you can write to")
+
+
+def check_job(cfg: DictConfig) -> None:
+    """Everything about one job that can be checked without loading a model (the validating
+    sweeper runs this for every job of a multirun before the first runs): a ValueError (or
+    FileNotFoundError) saying what is wrong and what is valid."""
+    validate(cfg)
+    c = OmegaConf.to_container(cfg, resolve=True)
+    check_backend_supports(c)
+    check_results_dir(Path(c["results_dir"]).expanduser() / c["sweep_name"], job_name(c))
+    settings = {k: v for k, v in c["backend"].items() if k not in ("_target_", "name")}
+    get_class(c["backend"]["_target_"]).check_config(settings, c["model"], c["method"], c["num_speculative_tokens"])
+    try:
+        load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"],
+                     **{k: v for k, v in c["workload"].items() if k != "name"})
+    except WorkloadUnavailable:
+        pass  # recorded as skipped when it runs
 
 
 class Measurement:
@@ -126,10 +162,15 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     c = OmegaConf.to_container(cfg, resolve=True)
     check_backend_supports(c)
     root = Path(c["results_dir"]).resolve() / c["sweep_name"]
+    check_results_dir(root, job_name(c))
     jdir = root / job_name(c)
     if not c["force"] and is_complete(jdir):
         log.info("skip %s (complete; force=true reruns it)", jdir.name)
         return read_json(jdir / "summary.json")
+    if (jdir / "summary.json").exists() and not c["force"]:
+        log.warning("rerun %s: %s", jdir.name, incomplete_reason(jdir) or "its last run did not succeed")
+    for stale in (MANIFEST, "traceback.txt"):  # no manifest until this run's files are all written
+        (jdir / stale).unlink(missing_ok=True)
     row = {**_key_row(c), "job": jdir.name, "status": "running", "error": None}
     write_text(jdir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     env_start = environment.snapshot()
@@ -139,6 +180,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     try:
         wparams = {k: v for k, v in c["workload"].items() if k != "name"}
         prompts = load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], **wparams)
+        environment.read_bandwidth_gbs(measurement_device(c))  # for the roofline; before the model takes memory
         backend = instantiate_backend(c["backend"], c["model"], c["method"], c["num_speculative_tokens"])
         backend.set_artifact_dir(jdir)
         phase = "measure"
@@ -172,6 +214,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
                package_versions=env_start["packages"])
     row["env"] = env_start
     write_json(jdir / "summary.json", row)
+    write_manifest(jdir, JOB_FILES)
     build_index(root)
     return row
 
@@ -233,8 +276,11 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
         with file_lock(bdir / ".lock"):
             done = bdir / "baseline.json"
             fresh = done.exists() and not (c["force"] and done.stat().st_mtime < PROCESS_START)
-            shared = read_json(done) if fresh else {}
-            if fresh and "batches" in shared:  # (a baseline from before per-batch records is measured again)
+            why = incomplete_reason(bdir) if fresh else None
+            if why:  # a shared baseline is complete only as a whole
+                log.warning("shared baseline %s is measured again: %s", bdir.name, why)
+            shared = read_json(done) if fresh and not why else {}
+            if "batches" in shared:  # (a baseline from before per-batch records is measured again)
                 base_req = pd.read_parquet(bdir / "requests.parquet")
                 base_cyc = pd.read_parquet(bdir / "cycles.parquet")
                 steps_file = bdir / "steps.parquet"
@@ -260,8 +306,12 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                 measured_steps = base.steps_table()
                 if len(measured_steps):
                     write_parquet(bdir / "steps.parquet", measured_steps)
-                write_json(done, {"throughputs": [base.throughput(r) for r in base.repeats()], "batches": base_batches,
-                                  "identity": bident})
+                (bdir / MANIFEST).unlink(missing_ok=True)
+                # every measurement of a shared baseline is its own: rows name the one they used
+                shared = {"throughputs": [base.throughput(r) for r in base.repeats()], "batches": base_batches,
+                          "identity": bident, "measurement_id": f"{bdir.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"}
+                write_json(done, shared)
+                write_manifest(bdir, BASELINE_FILES)
                 baseline_from = f"shared {bdir.name} (measured here)"
                 drift = {"baseline_drift": 0.0}
         for r in range(reps):
@@ -285,6 +335,8 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     out = {"baseline_from": baseline_from, "engine": engine, "drafter": engine.get("drafter"), **contract,
            "latency_note": latency_note(contract, spec_req if speculative else base_req)}
     out.update(drift)
+    if c["baseline"] == "shared" and speculative:
+        out["baseline_id"] = shared.get("measurement_id")
     out.update(roofline(backend, c, base_cyc, base_steps, base_req))
     base_tp = _throughputs(base_batches)
     out["baseline_tokens_per_s"] = float(np.median(base_tp))
@@ -295,6 +347,12 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                          sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps,
                          pairs=_pairs(base_batches, spec_batches) if speculative else None))
     return out
+
+
+def measurement_device(c: dict) -> str:
+    """Where the weights a decode step reads live: the backend's CUDA device, else this CPU."""
+    device = str(c["backend"].get("device") or "cpu")
+    return device if device.startswith("cuda") else "cpu"
 
 
 def roofline(backend: Backend, c: dict, base_cyc: pd.DataFrame, base_steps, base_req: pd.DataFrame) -> dict:
@@ -313,8 +371,7 @@ def roofline(backend: Backend, c: dict, base_cyc: pd.DataFrame, base_steps, base
         step, source = float(base_req.tpot_s.median()), "baseline requests' median TPOT"
     else:
         step, source = math.nan, "unavailable"
-    device = c["backend"].get("device") or "cpu"
-    bw = environment.read_bandwidth_gbs("cuda" if str(device).startswith("cuda") else "cpu") if nbytes else math.nan
+    bw = environment.read_bandwidth_gbs(measurement_device(c)) if nbytes else math.nan
     roof = nbytes / (bw * 1e9) if nbytes else math.nan
     return {"baseline_step_ms": step * 1e3, "roofline_step_ms": roof * 1e3, "baseline_roofline_share": roof / step
             if step == step and roof == roof and step > 0 else math.nan, "read_bandwidth_gbs": bw,
@@ -339,7 +396,7 @@ def _pairs(base_batches: list[dict], spec_batches: list[dict]) -> pd.DataFrame:
 
 def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool, counters=None,
               spec_steps=None, base_steps=None, pairs: pd.DataFrame | None = None) -> dict:
-    """Every metric of DESIGN.md from the measured tables; where the engine keeps no per-cycle
+    """Every metric of docs/metrics.md from the measured tables; where the engine keeps no per-cycle
     trace, acceptance comes from its counters (a SpecCounters total), and the time split from its
     timed engine steps where it has them (decode steps only, as for cycles), under the same
     definitions."""

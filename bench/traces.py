@@ -1,5 +1,5 @@
 """`specsweep-trace JOB_DIR`: per-position acceptance traces from a job's greedy baseline
-generations, in the interchange format of DESIGN.md (one JSON object per request:
+generations, in the interchange format of SpecDecode-Bench's simulator (one JSON object per request:
 id, prompt_token_ids, generated_token_ids, acc_<method>: {"acc_len": [...]}).
 
 acc_len_m[i] = tokens a cycle starting after generated[:i+1] would emit under method m with draft

@@ -2,11 +2,15 @@
 
   python benchmarks/native_speed.py [--threads 2] [--prompts 4] [--max-new-tokens 64] [--repeats 5]
 
-Measures, with the thread count and load average recorded:
-  1. read bandwidth (sum over a 1 GiB array) and decode ms/step against weight_bytes / bandwidth;
-  2. verify_cost_ratio r(n) = t(forward over n tokens) / t(1 token), n = 1..9, at a ~300-token KV;
+Measures, with the CPU model, thread count and load average recorded:
+  0. the projection kernels the engine chose on this machine (backends/native/kernels.py);
+  1. read bandwidth (the harness's probe, bench.environment) and decode ms/step against
+     weight_bytes / bandwidth: the share of roofline (goal >= 70%);
+  2. verify_cost_ratio r(n) = t(forward over n tokens) / t(1 token), n = 1..9, at a ~300-token KV
+     (goal r(5) <= 1.5);
   3. n-gram speedup on code_edit at batch 1, against transformers' prompt_lookup_num_tokens on the
-     same model (same GGUF, fp32) and prompts;
+     same model (same GGUF, fp32) and prompts, and llama.cpp's plain decode (the same GGUF, Q4_K_M,
+     through backend=llamacpp) in tokens/s;
   4. tracing overhead (per-cycle trace on vs off).
 """
 from __future__ import annotations
@@ -23,26 +27,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backends.cpu_probe import cpu_identity  # noqa: E402
+from backends.native import kernels  # noqa: E402
 from backends.native.drafters import NgramDrafter  # noqa: E402
 from backends.native.engine import generate  # noqa: E402
 from backends.native.loading import load_model  # noqa: E402
 from backends.native.sampling import SamplingParams  # noqa: E402
-from bench.environment import load_average  # noqa: E402
+from bench.backend import Sampling  # noqa: E402
+from bench.environment import load_average, read_bandwidth_gbs  # noqa: E402
 from workloads import load_prompts  # noqa: E402
 
 
 def med(xs):
     return statistics.median(xs)
-
-
-def bandwidth_gbs(reps=7) -> float:
-    a = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a.sum()
-        ts.append(time.perf_counter() - t)
-    return a.numel() * 4 / med(ts) / 1e9
 
 
 def weight_bytes(model) -> int:
@@ -76,14 +73,17 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--out", default="benchmarks/native_speed.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    res = {"threads": torch.get_num_threads(), "loadavg_start": load_average(), "torch": torch.__version__,
-           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    res = {"cpu": cpu_identity()["cpu"], "threads": torch.get_num_threads(), "loadavg_start": load_average(),
+           "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     model, tok, args, path = load_model("gemma3-270m")
+    res["kernels"] = kernels.tune([p for p in model.parameters() if p.dim() == 2])
+    print("kernels: " + "; ".join(f"{k}: {v}" for k, v in res["kernels"].items()), flush=True)
 
-    bw = bandwidth_gbs()
+    bw = read_bandwidth_gbs()
     wb = weight_bytes(model)
     prompts = [tok.encode(p.text).ids for p in load_prompts("code_edit", a.prompts, seed=0)]
     long_ids = prompts[0] * 3
@@ -91,8 +91,8 @@ def main():
     roofline_ms = wb / (bw * 1e9) * 1e3
     res.update(read_bandwidth_gbs=bw, weight_bytes=wb, roofline_ms=roofline_ms, decode_ms=ft[1] * 1e3,
                roofline_share=roofline_ms / (ft[1] * 1e3), verify_cost_ratio={n: ft[n] / ft[1] for n in ft})
-    print(f"bandwidth {bw:.1f} GB/s, weights {wb / 1e9:.3f} GB -> roofline {roofline_ms:.1f} ms; decode {ft[1] * 1e3:.1f} ms/step "
-          f"({100 * res['roofline_share']:.0f}% of roofline)", flush=True)
+    print(f"{res['cpu']}: bandwidth {bw:.1f} GB/s, weights {wb / 1e9:.3f} GB -> roofline {roofline_ms:.1f} ms; decode "
+          f"{ft[1] * 1e3:.1f} ms/step ({100 * res['roofline_share']:.0f}% of roofline; goal >= 70%)", flush=True)
     print("r(n): " + ", ".join(f"{n}:{v:.2f}" for n, v in res["verify_cost_ratio"].items()), flush=True)
 
     ref = None
@@ -122,9 +122,26 @@ def main():
             toks += g.shape[1] - len(p)
         return toks / wall
 
+    lcpp = None
+    if not a.no_llamacpp:
+        from backends.llamacpp import LlamaCppBackend
+
+        lcpp = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "autoregressive"}, threads=a.threads)
+
+    def llamacpp_baseline():
+        toks, wall = 0, 0.0
+        for p in prompts:
+            out = lcpp.generate([lcpp.tokenize(tok.decode(p))], Sampling(), a.max_new_tokens, speculative=False)
+            toks += len(out.requests[0].output_token_ids)
+            wall += out.wall_s
+        return toks / wall
+
     runs = {"native_baseline": [], "native_ngram": [], "native_ngram_untraced": []}
     if ref is not None:
         runs.update(transformers_baseline=[], transformers_prompt_lookup=[])
+    if lcpp is not None:
+        runs.update(llamacpp_baseline=[])
+        llamacpp_baseline()  # warm-up
     ours(None), ours(NgramDrafter(a.k))  # warm-up
     for r in range(a.repeats):  # interleaved: every configuration once per round
         runs["native_baseline"].append(ours(None))
@@ -133,6 +150,8 @@ def main():
         if ref is not None:
             runs["transformers_baseline"].append(theirs(False))
             runs["transformers_prompt_lookup"].append(theirs(True))
+        if lcpp is not None:
+            runs["llamacpp_baseline"].append(llamacpp_baseline())
         print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items()), flush=True)
     tps = {k: med(v) for k, v in runs.items()}
     res["tokens_per_s"] = tps
@@ -141,6 +160,9 @@ def main():
     if ref is not None:
         res["transformers_prompt_lookup_speedup"] = tps["transformers_prompt_lookup"] / tps["transformers_baseline"]
         res["native_ngram_over_transformers_prompt_lookup"] = tps["native_ngram"] / tps["transformers_prompt_lookup"]
+    if lcpp is not None:
+        lcpp.close()
+    res["goals"] = {"roofline_share >= 0.7": res["roofline_share"] >= 0.7, "r(5) <= 1.5": res["verify_cost_ratio"][5] <= 1.5}
     res["loadavg_end"] = load_average()
     res["settings"] = vars(a)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

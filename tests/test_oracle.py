@@ -107,8 +107,9 @@ def _write(tmp_path, rows, name="combined_toy.jsonl"):
 def _rows(n=20):
     rng = np.random.default_rng(1)
     return [{"id": str(i), "prompt_token_ids": list(range(30)), "generated_token_ids": list(range(40)),
-             "acc_ngram": {"acc_len": rng.integers(1, 5, 40).tolist()},
-             "acc_eagle": {"acc_len": rng.integers(1, 4, 40).tolist()}} for i in range(n)]
+             "acc_ngram": {"acc_len": [min(int(v), 40 - j) for j, v in enumerate(rng.integers(1, 5, 40))]},
+             "acc_eagle": {"acc_len": [min(int(v), 40 - j) for j, v in enumerate(rng.integers(1, 4, 40))]}}
+            for i in range(n)]  # no cycle emits more than the tokens left
 
 
 def test_combined_bound_dominates_single_methods_and_falls_with_batch(tmp_path):

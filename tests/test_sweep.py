@@ -81,14 +81,34 @@ def test_resume_skips_completed_jobs_and_force_reruns(tmp_path, tiny_llama):
 
 
 def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path, tiny_llama):
-    r = specsweep(f"results_dir={tmp_path}", "sweep_name=fail", "model=local", f"model.path={tmp_path}/missing.gguf,{tiny_llama}",
+    """A model file that passes every check before the run (it exists, it is named .gguf) but is
+    not a GGUF fails its job at load time: an error row, the other job runs, exit status 1."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all")
+    r = specsweep(f"results_dir={tmp_path}", "sweep_name=fail", "model=local", f"model.path={broken},{tiny_llama}",
                   "method=ngram", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=6", "repeats=1")
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "1 of 2 jobs failed" in r.stderr
     idx = pd.read_parquet(tmp_path / "fail" / "index.parquet")
     assert sorted(idx.status) == ["error", "ok"]
     err = idx[idx.status == "error"].iloc[0]
-    assert "missing.gguf" in err.error and "does not exist" in err.error
+    assert "broken.gguf" in err.error
     assert "did not complete" in (tmp_path / "fail" / "report" / "summary.md").read_text()
+
+
+def test_bad_input_anywhere_in_a_sweep_is_refused_before_anything_runs(tmp_path, tiny_llama):
+    r = specsweep(f"results_dir={tmp_path}", "sweep_name=bad", "model=local", f"model.path={tiny_llama}",
+                  "method=ngram,prompt_lookup_lib,draft_model", "workload=chat", "batch_size=1,0", "num_prompts=2",
+                  "max_new_tokens=6", "repeats=1")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "4 of 6 jobs have bad input; nothing was run" in r.stderr
+    assert "method=prompt_lookup_lib" in r.stderr and "is not supported by backend 'native'" in r.stderr
+    assert "batch_size=0: use 1 or more" in r.stderr
+    assert not list((tmp_path / "bad").glob("*/summary.json"))  # no job ran, not even the good ones
+    r = specsweep(f"results_dir={tmp_path}", "sweep_name=bad2", "model=local", f"model.path={tmp_path}/missing.gguf",
+                  "method=ngram", "workload=chat", "batch_size=1,4", "num_prompts=2", "max_new_tokens=6", "repeats=1")
+    assert r.returncode == 2 and "missing.gguf" in r.stderr and "does not exist" in r.stderr
+    assert "batch_size=4 with num_prompts=2" in r.stderr
 
 
 def test_ctrl_c_keeps_completed_jobs(tmp_path, tiny_llama):

@@ -232,7 +232,7 @@ def translation(num_prompts, seed, locale_dir="/usr/share/locale", target_langua
 def jsonl(num_prompts, seed, path=None, categories=None, **_):
     """A file of {"question_id", "category", "turns": [...]} objects, one per line (Spec-Bench's
     question.jsonl shape); the first turn is the prompt. categories filters by category."""
-    if not path:
+    if not path or path == "???":  # "???": OmegaConf's mark for a value nobody gave
         raise WorkloadError("workload jsonl needs a file: pass workload.path=FILE (a Spec-Bench style question.jsonl)")
     p = Path(path).expanduser()
     if not p.is_file():
@@ -242,6 +242,9 @@ def jsonl(num_prompts, seed, path=None, categories=None, **_):
         if not isinstance(obj, dict) or not isinstance(obj.get("turns"), list) or not obj["turns"] or not isinstance(obj["turns"][0], str):
             raise WorkloadError(f'{path}, line {n}: expected an object with "turns": [a non-empty list of strings] '
                                 '(and "question_id", "category")')
+        if not obj["turns"][0].strip():
+            raise WorkloadError(f"{path}, line {n}: question {obj.get('question_id', n)!r} has an empty first turn; "
+                                "every prompt needs text")
         items.append((str(obj.get("question_id", n)), str(obj.get("category", "")), obj["turns"][0]))
     if not items:
         raise WorkloadError(f"{path}: the file holds no questions")

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, reject_unknown
 
 from ..cpu_probe import cpu_identity
 from . import kernels
@@ -70,6 +70,21 @@ class NativeBackend(Backend):
         self.eos = tuple(self.args.eos_token_ids)
         # Each projection's CPU product, measured on this machine (cached after the first time).
         self.kernels = kernels.tune(self._weights(), log=log.info) if self.cfg.device == "cpu" else {}
+
+    @classmethod
+    def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
+        from .loading import resolve_model_path
+
+        reject_unknown(settings, [f.name for f in fields(NativeConfig)], "native")
+        NativeConfig(**settings)
+        resolve_model_path(model["path"])
+        for key in ("draft_path", "head_path"):
+            if method.get(key):
+                from pathlib import Path
+
+                if not Path(method[key]).expanduser().exists():
+                    raise FileNotFoundError(f"method.{key}={method[key]!r} does not exist; pass an existing "
+                                            f"{'model file or folder' if key == 'draft_path' else 'head folder'}")
 
     def weight_bytes_per_step(self) -> int:
         seen, total = set(), 0  # a tied embedding/output matrix is read once, by the output product

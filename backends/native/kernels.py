@@ -7,8 +7,9 @@ F.linear was the faster one, about 2x at one and two rows. A choice made on one 
 baseline slow on the other, and a speedup over a slow baseline is an illusion. So `tune()` times
 each candidate for every weight shape of a model and a ladder of row counts, at load time,
 interleaved, medians over rounds, and caches the plan with the CPU, its flags, torch's version and
-the thread count (SPECSWEEP_CACHE/kernels). A candidate must beat F.linear by KEEP_MARGIN to
-replace it: on a noisy machine a tie stays with the library's default.
+the thread count (SPECSWEEP_CACHE/kernels). Each timed call finds its weight out of the cache, as
+in a forward pass. A candidate must beat F.linear by KEEP_MARGIN to replace it: on a noisy
+machine a tie stays with the library's default.
 """
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ from torch import Tensor
 
 from ..cpu_probe import cache_root, cpu_identity
 
-TUNE_VERSION = "1"
+TUNE_VERSION = "2"
 ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # a row count uses the plan of the next rung up
 KEEP_MARGIN = 0.05
-ROUNDS = 5
+ROUNDS = 7
+# In a forward pass every weight comes from memory: the layers together are far larger than any
+# cache. A small matrix timed alone would sit in the cache after its first call, so each timed
+# call follows a pass over a buffer larger than these CPUs' last-level caches.
+FLUSH_BYTES = 128 * 2**20
 
 
 def _pad_rows(x2: Tensor) -> Tensor:
@@ -62,7 +67,8 @@ def pick(w: Tensor, n: int):
     return linear_plain
 
 
-def _time(fn, x2, w) -> float:
+def _time(fn, x2, w, flush: Tensor) -> float:
+    flush.sum()  # the weight is evicted, as it is between its uses in a forward
     t = time.perf_counter()
     fn(x2, w)
     return time.perf_counter() - t
@@ -72,6 +78,7 @@ def _time(fn, x2, w) -> float:
 def measure(w: Tensor, ladder=ROW_LADDER, rounds: int = ROUNDS) -> dict:
     """Median seconds per candidate and row count for one weight, interleaved within each round."""
     xs = {n: torch.randn(n, w.shape[1], dtype=w.dtype) for n in ladder}
+    flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32)
     for fn in CANDIDATES.values():  # first touches (allocation, kernel selection) out of the timing
         fn(xs[ladder[0]], w)
     times = {name: {n: [] for n in ladder} for name in CANDIDATES}
@@ -81,7 +88,7 @@ def measure(w: Tensor, ladder=ROW_LADDER, rounds: int = ROUNDS) -> dict:
             if r % 2:  # alternate which candidate runs first: neither always gets the warm cache
                 order.reverse()
             for name, fn in order:
-                times[name][n].append(_time(fn, xs[n], w))
+                times[name][n].append(_time(fn, xs[n], w, flush))
     return {name: {n: statistics.median(v) for n, v in per.items()} for name, per in times.items()}
 
 

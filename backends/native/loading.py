@@ -225,9 +225,13 @@ def convert_gguf(path: Path, progress=print) -> Path:
         return folder
     from gguf import GGUFReader
 
+    try:  # read before anything is written: a file that is not a GGUF leaves no cache folder behind
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:
+        raise ValueError(f"model file {str(path)!r} is not a readable GGUF file ({e}); pass a .gguf model file or a "
+                         "Hugging Face model folder") from None
     folder.mkdir(parents=True, exist_ok=True)
     progress(f"converting {path.name} once into {folder} (dequantizing weights, converting the tokenizer)")
-    reader = GGUFReader(str(path))
     args = args_from_gguf(reader)
     state = load_gguf_state(reader, args)
     tmp = folder / "model.safetensors.tmp"

@@ -1,0 +1,55 @@
+"""Every job of a multirun composed and checked before the first one runs (called by the sweep
+callback in bench/cli.py as the multirun starts). Checked per job, without loading a model: the
+sweep values (bench.config.validate), that the backend runs the method, the backend's own
+settings and files (Backend.check_config), that the prompts load and the results folder can be
+written. Any failure lists every bad job with its overrides and what is valid, and nothing runs
+(exit status 2). The jobs are the ones Hydra's basic sweeper will launch, expanded the same way;
+launchers (joblib, submitit, Ray) are untouched.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("specsweep")
+
+
+def sweep_jobs(config) -> list[list[str]]:
+    """The override list of every job the basic sweeper will launch for this multirun config."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    loader = GlobalHydra.instance().config_loader()
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    params += list(config.hydra.overrides.task)
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(params)
+    return [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def check_sweep(config) -> None:
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .runner import check_job
+
+    if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        log.info("sweeper %s: its jobs are checked one by one as they start", config.hydra.sweeper.get("_target_"))
+        return
+    loader = GlobalHydra.instance().config_loader()
+    jobs = sweep_jobs(config)
+    problems = []
+    from omegaconf import open_dict
+
+    for job in jobs:
+        cfg = loader.load_sweep_config(config, job)
+        with open_dict(cfg):
+            del cfg["hydra"]  # the job's own config, as the launcher hands it to the job
+        try:
+            check_job(cfg)
+        except (ValueError, FileNotFoundError) as e:  # ConfigError, WorkloadError and the adapters' own
+            problems.append(f"  job {' '.join(job) or '(defaults)'}: {e}")
+    if problems:
+        print(f"specsweep: {len(problems)} of {len(jobs)} jobs have bad input; nothing was run:\n" + "\n".join(problems),
+              file=sys.stderr)
+        raise SystemExit(2)
+    log.info("checked %d jobs before running any", len(jobs))

@@ -1,0 +1,196 @@
+"""Bad input and damaged results, as a user or a crashed run leaves them: each a clear error with
+the exit status the docs give, never a hang, a traceback or a wrong number."""
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from bench.gate import main as gate
+from bench.results import FILE_MODE, is_complete, write_json, write_manifest
+
+
+def run(*cmd, timeout=120):
+    return subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _trace_file(tmp_path, **over):
+    t = {"id": "r1", "prompt_token_ids": [1, 2, 3], "generated_token_ids": list(range(16)),
+         "acc_ngram": {"acc_len": [2, 1, 3, 1, 1, 4, 1, 1, 2, 1, 1, 1, 3, 2, 1, 1]}}
+    t.update(over)
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(t) + "\n")
+    return p
+
+
+# ------------------------------------------------------------------ the oracle
+
+def test_a_negative_draft_length_is_refused_not_simulated_forever(tmp_path):
+    r = run("bench.oracle", str(_trace_file(tmp_path)), "--policies", "fixed:ngram:-1", "--out", str(tmp_path / "o"),
+            timeout=60)
+    assert r.returncode == 2 and "draft length -1 is not valid; use 1..64" in r.stderr
+
+
+@pytest.mark.parametrize("acc, expected", [
+    ([1] * 15, "has 15 values for 16 generated tokens"),
+    ([1] * 17, "has 17 values for 16 generated tokens"),
+    ([50] + [1] * 15, "acc_len[0] = 50: a cycle at generated position 0 can emit at most the 16 tokens left"),
+    ([1] * 14 + [3, 1], "acc_len[14] = 3: a cycle at generated position 14 can emit at most the 2 tokens left"),
+    ([1.5] + [1] * 15, "acc_len[0] = 1.5: each value must be an integer >= 1"),
+    (["2"] + [1] * 15, "acc_len[0] = '2': each value must be an integer >= 1"),
+])
+def test_traces_that_cannot_be_true_are_refused_with_file_line_and_field(tmp_path, acc, expected):
+    path = _trace_file(tmp_path, acc_ngram={"acc_len": acc})
+    r = run("bench.oracle", str(path), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2, r.stderr
+    assert f"{path}, line 1: acc_ngram." in r.stderr and expected in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_scalar_prompt_is_a_clear_error(tmp_path):
+    path = _trace_file(tmp_path, prompt_token_ids=7)
+    r = run("bench.oracle", str(path), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "line 1: prompt_token_ids must be a list of token ids" in r.stderr
+
+
+def test_a_valid_trace_still_simulates(tmp_path):
+    r = run("bench.oracle", str(_trace_file(tmp_path)), "--batch-sizes", "1", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "o" / "oracle.parquet").exists()
+
+
+# ------------------------------------------------------------------ the gate
+
+def _row(job, status="ok", **over):
+    row = {"backend": "native", "model": "m", "method": "ngram", "workload": "w", "batch_size": 1, "temperature": 0.0,
+           "top_p": 1.0, "top_k": 0, "num_speculative_tokens": 4, "max_new_tokens": 16, "num_prompts": 2,
+           "seed": len(job), "config_hash": "c", "status": status, "error": "boom" if status == "error" else None,
+           "lossless": "true", "acceptance_rate": 0.8, "mean_acceptance_length": 3.0, "speedup": 2.0,
+           "speedup_ci_low": 1.9, "speedup_ci_high": 2.1, "tokens_per_s": 40.0, "baseline_tokens_per_s": 20.0, "job": job}
+    row.update(over)
+    return row
+
+
+def test_update_refuses_a_sweep_with_failed_jobs_unless_told(tmp_path, capsys):
+    sweep = tmp_path / "s"
+    for r in (_row("a"), _row("bb", status="error")):
+        write_json(sweep / r["job"] / "summary.json", r)
+    base = tmp_path / "b.json"
+    assert gate([str(sweep), "--baseline", str(base), "--update"]) == 1
+    assert "not recorded: 1 of 2 jobs failed (bb)" in capsys.readouterr().err and not base.exists()
+    assert gate([str(sweep), "--baseline", str(base), "--update", "--allow-failed"]) == 0
+    assert "left out 1 jobs that did not succeed: bb (error)" in capsys.readouterr().out
+    assert len(json.loads(base.read_text())["jobs"]) == 1
+
+
+@pytest.mark.parametrize("content, expected", [
+    ([], "not a job summary (a JSON list, not an object)"),
+    ({"bad": "speedup"}, "speedup = 'fast' is not a number"),
+])
+def test_malformed_summaries_are_exit_2_with_the_file_and_key(tmp_path, capsys, content, expected):
+    sweep = tmp_path / "s"
+    write_json(sweep / "a" / "summary.json", _row("a"))
+    base = tmp_path / "b.json"
+    assert gate([str(sweep), "--baseline", str(base), "--update"]) == 0
+    bad = sweep / "z" / "summary.json"
+    write_json(bad, content if isinstance(content, list) else _row("z", speedup="fast"))
+    assert gate([str(sweep), "--baseline", str(base)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and expected in err
+
+
+# ------------------------------------------------------------------ results on disk
+
+def test_a_summary_that_is_not_an_object_is_not_complete(tmp_path):
+    write_json(tmp_path / "job" / "summary.json", [])
+    assert not is_complete(tmp_path / "job")
+    (tmp_path / "job" / "summary.json").write_text("{truncated")
+    assert not is_complete(tmp_path / "job")
+    write_json(tmp_path / "job" / "summary.json", {"status": "ok"})
+    assert not is_complete(tmp_path / "job")  # no manifest: the run that wrote it did not finish
+    write_manifest(tmp_path / "job", ["summary.json"])
+    assert is_complete(tmp_path / "job")
+
+
+def test_result_files_get_the_users_umask(tmp_path):
+    write_json(tmp_path / "x.json", {"a": 1})
+    mode = stat.S_IMODE((tmp_path / "x.json").stat().st_mode)
+    assert mode == FILE_MODE and mode & stat.S_IRGRP  # group-readable under the usual umask 022
+
+
+def test_a_results_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
+    f = tmp_path / "results"
+    f.write_text("not a folder")
+    r = run("bench.cli", f"results_dir={f}", "sweep_name=s", "num_prompts=1", "max_new_tokens=4", "repeats=1",
+            "method=ngram", "workload=chat", "batch_size=1", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ inputs
+
+def test_an_empty_prompt_is_refused_with_its_id(tmp_path):
+    from workloads import WorkloadError, load_prompts
+
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question_id": "q1", "turns": ["Why?"]}\n{"question_id": "q2", "turns": ["  "]}\n')
+    with pytest.raises(WorkloadError, match="line 2: question 'q2' has an empty first turn"):
+        load_prompts("jsonl", 2, 0, path=str(f))
+    with pytest.raises(WorkloadError, match="workload jsonl needs a file: pass workload.path=FILE"):
+        load_prompts("jsonl", 2, 0, path="???")
+
+
+def test_a_text_file_named_gguf_names_the_file_and_leaves_no_cache_debris(tmp_path, monkeypatch):
+    from backends.native.loading import load_model
+
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "notes.gguf"
+    fake.write_text("these are my notes, not a model")
+    with pytest.raises(ValueError, match=r"model file '.*notes.gguf' is not a readable GGUF file"):
+        load_model(str(fake))
+    assert not list((tmp_path / "cache").rglob("notes-*"))
+
+
+def test_a_mistyped_backend_key_is_refused_with_the_valid_ones(tmp_path, tiny_llama):
+    r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "model=local", f"model.path={tiny_llama}",
+            "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1", "+backend.dtpye=bfloat16", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "backend.dtpye is not a setting of backend native; valid: dtype, device, threads, trace" in r.stderr
+
+
+# ------------------------------------------------------------------ complete means complete
+
+def _tiny_sweep(tmp_path, tiny_llama, *extra, method="ngram"):
+    return run("bench.cli", f"results_dir={tmp_path}", "sweep_name=m", "model=local", f"model.path={tiny_llama}",
+               f"method={method}", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=6", "repeats=1",
+               "report=false", *extra, timeout=600)
+
+
+def test_a_truncated_result_file_makes_its_job_run_again(tmp_path, tiny_llama):
+    assert _tiny_sweep(tmp_path, tiny_llama).returncode == 0
+    (job,) = [p.parent for p in (tmp_path / "m").glob("*/summary.json")]
+    assert (job / "manifest.json").exists()
+    data = (job / "requests.parquet").read_bytes()
+    (job / "requests.parquet").write_bytes(data[: len(data) // 2])
+    r = _tiny_sweep(tmp_path, tiny_llama)
+    assert r.returncode == 0 and "requests.parquet changed or is truncated" in r.stderr + r.stdout
+    assert (job / "requests.parquet").stat().st_size > len(data) // 2  # measured again, whole
+    r = _tiny_sweep(tmp_path, tiny_llama)
+    assert "skip " in r.stderr + r.stdout  # and now complete
+
+
+def test_a_damaged_shared_baseline_is_measured_again_under_a_new_id(tmp_path, tiny_llama):
+    assert _tiny_sweep(tmp_path, tiny_llama, "baseline=shared").returncode == 0
+    (bdir,) = (tmp_path / "m" / "baselines").iterdir()
+    first = json.loads((bdir / "baseline.json").read_text())["measurement_id"]
+    (bdir / "cycles.parquet").unlink()
+    # another method's job would reuse it: it finds the baseline incomplete and measures it again
+    r = _tiny_sweep(tmp_path, tiny_llama, "baseline=shared", "++method.draft_layers=1", method="draft_model")
+    assert r.returncode == 0 and "is measured again: cycles.parquet is missing" in r.stderr + r.stdout
+    second = json.loads((bdir / "baseline.json").read_text())["measurement_id"]
+    rows = {x["method"]: x for x in (json.loads(p.read_text()) for p in (tmp_path / "m").glob("*/summary.json"))}
+    assert second != first and rows["draft_model"]["baseline_id"] == second
+    assert rows["ngram"]["baseline_id"] == first  # the older row still names the measurement it used

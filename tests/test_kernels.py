@@ -1,0 +1,70 @@
+"""The native engine's CPU products (backends/native/kernels.py): chosen by measuring, cached per
+CPU and torch build, and numerically the same product whichever is chosen. No speed is asserted:
+which candidate wins depends on the machine."""
+import json
+
+import pytest
+import torch
+
+from backends.native import kernels
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path))
+    saved = dict(kernels.PLANS)
+    kernels.PLANS.clear()
+    yield tmp_path
+    kernels.PLANS.clear()
+    kernels.PLANS.update(saved)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 70])
+def test_every_candidate_computes_the_same_product(n):
+    w, x = torch.randn(48, 32), torch.randn(n, 32)
+    want = x @ w.T
+    for name, fn in kernels.CANDIDATES.items():
+        assert torch.allclose(fn(x, w), want, atol=1e-5), name
+
+
+def test_a_candidate_must_beat_f_linear_by_the_margin():
+    ladder = (1, 2, 4)
+    timings = {"linear": {1: 1.0, 2: 1.0, 4: 1.0}, "transposed": {1: 0.97, 2: 0.5, 4: 1.2}}
+    assert kernels.plan_from(timings, ladder) == ((1, "linear"), (2, "transposed"), (4, "linear"))
+
+
+def test_pick_follows_the_ladder_and_untuned_shapes_use_f_linear():
+    w = torch.randn(8, 4)
+    assert kernels.pick(w, 3) is kernels.linear_plain
+    kernels.PLANS[(8, 4, w.dtype)] = ((1, "linear"), (4, "transposed"), (16, "linear"))
+    assert kernels.pick(w, 1) is kernels.linear_plain
+    assert kernels.pick(w, 2) is kernels.linear_transposed and kernels.pick(w, 4) is kernels.linear_transposed
+    assert kernels.pick(w, 5) is kernels.linear_plain and kernels.pick(w, 500) is kernels.linear_plain
+
+
+def test_tune_measures_once_then_reads_the_plan_keyed_by_cpu_torch_and_threads(fresh):
+    ws = [torch.randn(64, 32), torch.randn(64, 32), torch.randn(32, 64)]  # two shapes
+    first = kernels.tune(ws)
+    assert len(first) == 2 and all("measured now" in v for v in first.values())
+    files = list((fresh / "kernels").glob("*.json"))
+    assert len(files) == 2
+    saved = json.loads(files[0].read_text())
+    assert {"cpu", "cpu_flags_sha", "torch", "threads", "shape", "dtype"} <= set(saved["key"])
+    assert set(saved["timings_s"]) == set(kernels.CANDIDATES)
+    kernels.PLANS.clear()
+    again = kernels.tune(ws)
+    assert all("cached" in v for v in again.values()) and len(kernels.PLANS) == 2
+    # a plan naming a kernel this version does not have is measured again, not trusted
+    saved["plan"][0][1] = "gone"
+    files[0].write_text(json.dumps(saved))
+    assert sum("measured now" in v for v in kernels.tune(ws).values()) == 1
+
+
+def test_the_engine_records_its_plan(tiny_llama):
+    from backends.native import NativeBackend
+
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=3)
+    plans = b.describe()["kernels"]
+    assert plans and all("up to" in v for v in plans.values())
+    shapes = {f"{p.shape[0]}x{p.shape[1]} float32" for p in b.model.parameters() if p.dim() == 2}
+    assert set(plans) == shapes
