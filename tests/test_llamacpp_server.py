@@ -54,7 +54,12 @@ def test_ngram_counters_are_consistent_and_servers_stop(model_link, tmp_path):
 
 @pytest.mark.slow
 def test_self_draft_accepts_nearly_everything(model_link):
-    b = LlamaServerBackend({"path": model_link}, {"name": "draft_model", "draft_path": model_link}, num_speculative_tokens=3)
+    # repack=off: with llama.cpp's repacked weights the target's logits depend on how many tokens
+    # a decode carries (measured on a 2-core AMD EPYC: self-draft alpha 0.917-1.0 over four runs of
+    # this test with repacking on, 1.0 in all four with it off), so the draft and the verify of
+    # the same model disagree at near-ties and this check would be flaky
+    b = LlamaServerBackend({"path": model_link}, {"name": "draft_model", "draft_path": model_link}, num_speculative_tokens=3,
+                           repack="off")
     try:
         prompts = [b.tokenize(p.text) for p in load_prompts("chat", 2, seed=0)]
         c = b.generate(prompts, Sampling(), 24, speculative=True).spec_counters
