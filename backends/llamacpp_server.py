@@ -187,7 +187,8 @@ class LlamaServerBackend(Backend):
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
                  ctx_per_slot: int = 2048, binary: str | None = None, port: int | None = None,
-                 startup_timeout_s: float = 120.0, repack: str | bool = "auto", **unused):
+                 startup_timeout_s: float = 120.0, repack: str | bool = "auto", request_timeout_s: float = 600.0,
+                 **unused):
         self.method = dict(method)
         if self.method.get("name") not in METHODS:
             raise ValueError(f"method {self.method.get('name')!r} is not supported by backend llamacpp_server; it "
@@ -201,7 +202,10 @@ class LlamaServerBackend(Backend):
         self.k = num_speculative_tokens
         self.binary = find_binary(binary)
         self.model = resolve_gguf(model["path"])
+        if request_timeout_s <= 0:
+            raise ValueError(f"backend.request_timeout_s={request_timeout_s} is not valid; use a positive number of seconds")
         self.threads, self.ctx_per_slot, self.port, self.timeout = threads or 2, ctx_per_slot, port, startup_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.servers: dict[bool, Server] = {}
         self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llama-server-"))
         self.repack = decide(repack, "backend.repack", "llama-server-repack",
@@ -215,7 +219,8 @@ class LlamaServerBackend(Backend):
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
-        reject_unknown(settings, ("threads", "ctx_per_slot", "binary", "port", "startup_timeout_s", "repack"), "llamacpp_server")
+        reject_unknown(settings, ("threads", "ctx_per_slot", "binary", "port", "startup_timeout_s", "repack",
+                                  "request_timeout_s"), "llamacpp_server")
         repack = settings.get("repack", "auto")
         if not isinstance(repack, bool) and repack not in MODES:
             raise ValueError(f"backend.repack={repack!r} is not valid; use auto (probe this CPU once), on or off")
@@ -279,7 +284,7 @@ class LlamaServerBackend(Backend):
         t0 = time.perf_counter()
 
         def one(p):
-            r = httpx.post(s.url + "/completion", json={**body, "prompt": list(p)}, timeout=600)
+            r = httpx.post(s.url + "/completion", json={**body, "prompt": list(p)}, timeout=self.request_timeout_s)
             if r.status_code != 200:
                 raise BackendError(f"llama-server answered {r.status_code}: {r.text[:300]}")
             return r.json(), time.perf_counter() - t0

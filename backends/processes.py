@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.backend import BackendError
+from bench.backend import BackendError, EngineTimeout
 
 from .cpu_probe import describe_exit
 
@@ -122,12 +122,16 @@ def cli_flags(args: dict) -> list[str]:
 
 def send_together(one, prompts, engine: str, server) -> list:
     """A batch's requests sent at once, one thread each (concurrency = batch size), results in
-    order. An HTTP failure is a BackendError with the server log's tail."""
+    order. An HTTP failure is a BackendError with the server log's tail; a request that got no
+    answer within its timeout, an EngineTimeout."""
     import httpx
 
     try:
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             return list(pool.map(one, prompts))
+    except httpx.TimeoutException as e:
+        raise EngineTimeout(f"{engine} gave no answer in time ({type(e).__name__}: {e}); raise "
+                            f"backend.request_timeout_s if the engine is slow. Its log ends with:\n{server.log_tail()}") from e
     except httpx.HTTPError as e:
         raise BackendError(f"{engine} request failed: {e}; its log ends with:\n{server.log_tail()}") from e
 
@@ -268,7 +272,7 @@ class Worker(EngineProcess):
             what = (f"timed out after {timeout_s or self.timeout_s:.0f} s" if code is None
                     else describe_exit(code))
             self.stop()
-            raise BackendError(f"the {self.engine} worker {what} during {req['op']!r} (log: {self.log_path}); its log "
+            raise (EngineTimeout if code is None else BackendError)(f"the {self.engine} worker {what} during {req['op']!r} (log: {self.log_path}); its log "
                                f"ends with:\n{self.log_tail()}")
         got = json.loads(line)
         if not got.get("ok"):

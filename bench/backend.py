@@ -91,6 +91,10 @@ class BackendError(RuntimeError):
     """An engine failed on a request: the job is recorded with status=error."""
 
 
+class EngineTimeout(BackendError):
+    """An engine gave no answer in time (a request, or the whole job): status=timeout."""
+
+
 class Backend(abc.ABC):
     """One engine with one model and one method. `generate(..., speculative=False)` is the same
     engine with speculation off: the baseline a method is compared with."""

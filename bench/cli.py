@@ -1,6 +1,7 @@
 """Command-line entry points: `specsweep` (a Hydra app) and the end-of-sweep summary.
 
-Exit status: 0 every job ok (or skipped: a workload unavailable here); 1 some jobs failed (their
+Exit status: 0 every job ok (or skipped: a workload unavailable here); 1 some jobs failed or timed
+out (their
 error rows, the table and the report are still written); 2 bad input (nothing ran: in a multirun
 every job is checked first, bench/sweeper.py)."""
 from __future__ import annotations
@@ -91,14 +92,14 @@ class SweepSummary(Callback):
         if df.empty:
             return
         print_table(df, title=f"specsweep: {sweep_dir}")
-        errors = df[df.status == "error"]
+        errors = df[df.status.isin(["error", "timeout"])]
         for _, r in errors.iterrows():
             log.error("job %s: %s", r.job, r.error)
         if config.report:
             out = write_report(sweep_dir)
             print(f"results: {sweep_dir}\nreport:  {out / 'summary.md'} (plots in {out})")
         if len(errors):  # exit status 1: some jobs failed (their rows, the table and the report are written)
-            print(f"specsweep: {len(errors)} of {len(df)} jobs failed (status=error)", file=sys.stderr)
+            print(f"specsweep: {len(errors)} of {len(df)} jobs failed (status=error or timeout)", file=sys.stderr)
             raise SystemExit(1)
 
 
@@ -107,7 +108,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> dict | None:
+def _job(cfg: DictConfig) -> dict | None:
     from .runner import run_job
 
     try:
@@ -119,6 +120,17 @@ def main(cfg: DictConfig) -> dict | None:
     log.info("%s: status=%s speedup=%s acceptance=%s", row.get("job"), row.get("status"),
              f"{sp:.3f}" if isinstance(sp, float) else sp, row.get("acceptance_rate"))
     return None
+
+
+def main() -> None:
+    """`specsweep`: the Hydra app, with Ctrl-C answered by a short summary instead of a traceback."""
+    try:
+        _job()
+    except KeyboardInterrupt:
+        print("\nspecsweep: interrupted. Every job that completed is kept (each in its own folder, and in the "
+              "index); the interrupted one left no result and runs again when the same command is run again, "
+              "which skips the completed ones.", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

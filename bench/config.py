@@ -54,6 +54,7 @@ class SweepConfig:
     baseline: str = "paired"
     lossless_margin_tol: float = 0.05  # a greedy divergence at a top-2 logit margin below this is a near-tie
     report: bool = True  # write the report (plots, summary.md) when a sweep ends
+    job_timeout_s: float | None = None  # a job running longer is stopped and recorded with status=timeout
 
 
 def register_configs() -> None:
@@ -87,6 +88,8 @@ def validate(cfg) -> None:
     if cfg.num_prompts >= 1 and cfg.batch_size > cfg.num_prompts:
         problems.append(f"batch_size={cfg.batch_size} with num_prompts={cfg.num_prompts}: a batch can hold at most "
                         f"the {cfg.num_prompts} prompts there are; use batch_size <= num_prompts or more prompts")
+    if cfg.get("job_timeout_s") is not None and cfg.job_timeout_s <= 0:
+        problems.append(f"job_timeout_s={cfg.job_timeout_s}: use a positive number of seconds or null (no limit)")
     if cfg.baseline not in ("shared", "paired"):
         problems.append(f"baseline={cfg.baseline!r}: use shared or paired")
     if not cfg.sweep_name or "/" in cfg.sweep_name:

@@ -171,7 +171,7 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
             rows.append((key, "tokens_per_s", tp_b, tp_n, _rel(tp_n, tp_b), verdict))
     for key in sorted(set(now) - set(baseline["jobs"])):
         r = now[key]
-        if r.get("status") == "error":  # a failed job fails the gate, recorded or not
+        if r.get("status") in ("error", "timeout"):  # a failed job fails the gate, recorded or not
             rows.append((key, "status", "-", "error", str(r.get("error"))[:80], "FAIL"))
             failed = True
         else:
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         check_rows(df, sweeps[0])
         path = Path(a.baseline)
         if a.update:
-            failed = df[df.status == "error"]
+            failed = df[df.status.isin(["error", "timeout"])]
             if len(failed) and not a.allow_failed:
                 print(f"specsweep-gate: not recorded: {len(failed)} of {len(df)} jobs failed ("
                       + ", ".join(failed.job_dir.astype(str)) + "); fix them, or pass --allow-failed to record the "

@@ -61,8 +61,10 @@ class Trace:
 def _int_array(values, where: str, low: int) -> np.ndarray:
     """A trace field as integers >= low; anything else is a TraceError naming where and what is valid."""
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < low:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
             raise TraceError(f"{where}[{i}] = {v!r}: each value must be an integer >= {low}")
+        if v < low:
+            raise TraceError(f"{where} has a value below {low}: [{i}] = {v!r}; each value must be an integer >= {low}")
     return np.asarray(values, dtype=np.int64)
 
 

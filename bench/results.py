@@ -148,7 +148,7 @@ def job_name(cfg: dict) -> str:
 
 def job_identity(cfg: dict) -> dict:
     """What defines a job's measurement (not where it is written or whether it is forced)."""
-    drop = {"results_dir", "sweep_name", "force", "report"}
+    drop = {"results_dir", "sweep_name", "force", "report", "job_timeout_s"}
     return {k: v for k, v in cfg.items() if k not in drop}
 
 

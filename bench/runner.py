@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 
 from . import environment, metrics
-from .backend import Backend, BackendError, BatchOutput, Sampling, instantiate_backend
+from .backend import Backend, BackendError, BatchOutput, EngineTimeout, Sampling, instantiate_backend
 from .config import ConfigError, validate
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
                       read_json, short_hash, write_manifest,
@@ -178,6 +178,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     backend = None
     phase = "setup"  # a ValueError while the job is set up is a configuration error; later, a bug
     try:
+        start_job_timeout(c.get("job_timeout_s"))
         wparams = {k: v for k, v in c["workload"].items() if k != "name"}
         prompts = load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], **wparams)
         environment.read_bandwidth_gbs(measurement_device(c))  # for the roofline; before the model takes memory
@@ -193,7 +194,8 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         raise  # completed jobs are on disk already; this one is left incomplete and reruns next time
     except Exception as e:  # a row, and the sweep goes on
         kind = error_kind(e, phase)
-        row.update(status="error", error=f"{type(e).__name__}: {e}", error_kind=kind)
+        row.update(status="timeout" if isinstance(e, EngineTimeout) else "error", error=f"{type(e).__name__}: {e}",
+                   error_kind=kind)
         if kind == "config":
             log.error("job %s: configuration error: %s", jdir.name, e)
         else:  # an engine failure (out of memory included) or a bug in measuring: the traceback is kept
@@ -202,6 +204,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
             log.error("job %s failed (%s): %s: %s; traceback in %s", jdir.name, kind, type(e).__name__, e,
                       jdir / "traceback.txt")
     finally:
+        cancel_job_timeout()
         if backend is not None:
             backend.close()
     row["wall_s"] = time.time() - t_job
@@ -217,6 +220,27 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     write_manifest(jdir, JOB_FILES)
     build_index(root)
     return row
+
+
+def start_job_timeout(seconds: float | None) -> None:
+    """job_timeout_s: a job still running after this long is stopped with status=timeout (SIGALRM
+    in the job's process: its main thread, as Hydra's launchers run jobs)."""
+    import signal
+
+    if not seconds:
+        return
+
+    def expired(signum, frame):
+        raise EngineTimeout(f"the job ran past job_timeout_s={seconds:g} s")
+
+    signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, float(seconds))
+
+
+def cancel_job_timeout() -> None:
+    import signal
+
+    signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def error_kind(e: Exception, phase: str) -> str:

