@@ -45,8 +45,6 @@ def check_backend_supports(c: dict) -> None:
 def check_results_dir(sweep: Path, job: str) -> None:
     """The results can be written: no file where a folder must be, write permission where the
     first missing folder would be made."""
-    import os
-
     for p in (sweep.parent, sweep, sweep / job):
         if p.exists() and not p.is_dir():
             raise ConfigError(f"results folder {p} is a file, not a folder; move it away or choose another "
@@ -58,9 +56,9 @@ def check_results_dir(sweep: Path, job: str) -> None:
 
 
 def check_job(cfg: DictConfig) -> None:
-    """Everything about one job that can be checked without loading a model (the validating
-    sweeper runs this for every job of a multirun before the first runs): a ValueError (or
-    FileNotFoundError) saying what is wrong and what is valid."""
+    """Everything about one job that can be checked without loading a model (bench/sweeper.py runs
+    this for every job of a multirun before the first runs): a ValueError (or FileNotFoundError)
+    saying what is wrong and what is valid."""
     validate(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
     check_backend_supports(c)
