@@ -33,6 +33,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECSWEEP_CACHE", platformdirs.user_cache_dir("specsweep")))
 
 
+def repack_mode(value, setting: str = "backend.repack") -> str:
+    """A user's auto|on|off for a fast path (YAML 1.1 reads a bare on/off as a boolean)."""
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    if value not in MODES:
+        raise ValueError(f"{setting}={value!r} is not valid; use auto (probe this CPU once), on or off")
+    return value
+
+
+def write_cached(path: Path, record: dict) -> None:
+    """A cache file written whole (temp file, then rename); an unwritable cache costs a measurement
+    per run, not a wrong answer, so it is not an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def cpu_identity() -> dict:
     """The CPU model and a digest of its feature flags: two machines that report the same model name
     can still differ in what the hypervisor exposes (AMX, AVX-512 subsets)."""
@@ -101,14 +122,8 @@ def probe(name: str, key: dict, attempt: Callable[[], str | None]) -> Verdict:
     took = time.perf_counter() - t0
     reason = (f"probe passed on {full_key['cpu']} ({took:.1f} s)" if why is None
               else f"probe failed on {full_key['cpu']}: {why}")
-    record = {"key": full_key, "usable": why is None, "reason": reason, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an unwritable cache costs a probe per run, not a wrong answer
+    write_cached(path, {"key": full_key, "usable": why is None, "reason": reason,
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return Verdict(why is None, reason)
 
 
@@ -132,8 +147,7 @@ def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> str 
 
 def decide(mode: str, setting: str, name: str, key: dict, attempt: Callable[[], str | None]) -> Verdict:
     """A user's `setting=auto|on|off` for a fast path: on and off are taken as given, auto probes."""
-    if mode not in MODES:
-        raise ValueError(f"{setting}={mode!r} is not valid; use auto (probe this CPU once), on or off")
+    mode = repack_mode(mode, setting)
     if mode == "on":
         return Verdict(True, f"{setting}=on: forced by the configuration, not probed")
     if mode == "off":

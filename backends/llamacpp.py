@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, reject_unknown
 
-from .cpu_probe import MODES, decide, file_identity, run_child
+from .cpu_probe import decide, file_identity, repack_mode, run_child
 from .processes import Worker
 
 METHODS = ("autoregressive", "ngram", "draft_model", "prompt_lookup_lib")
@@ -53,12 +53,9 @@ class LlamaCppConfig:
     request_timeout_s: float = 3600.0  # one batch's generate call
 
     def __post_init__(self):
-        if isinstance(self.repack, bool):  # YAML 1.1 reads a bare on/off as a boolean
-            self.repack = "on" if self.repack else "off"
+        self.repack = repack_mode(self.repack)
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"backend.flash_attn={self.flash_attn!r} is not valid; use auto, on or off")
-        if self.repack not in MODES:
-            raise ValueError(f"backend.repack={self.repack!r} is not valid; use auto (probe this CPU once), on or off")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null")
         if self.n_ctx < 256:

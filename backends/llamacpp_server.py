@@ -36,7 +36,7 @@ from pathlib import Path
 from bench.backend import (Backend, BackendError, BatchOutput, EngineTimeout, RequestOutput, Sampling, SpecCounters,
                            reject_unknown)
 
-from .cpu_probe import MODES, Inconclusive, decide, describe_exit, file_identity, killed_by_signal
+from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import die_with_parent, free_port, send_together, stop, wait_healthy
 
@@ -196,10 +196,7 @@ class LlamaServerBackend(Backend):
                              f"supports {', '.join(METHODS)}")
         if threads is not None and threads < 1:
             raise ValueError(f"backend.threads={threads} is not valid; use a positive count or null")
-        if isinstance(repack, bool):  # YAML 1.1 reads a bare on/off as a boolean
-            repack = "on" if repack else "off"
-        if repack not in MODES:
-            raise ValueError(f"backend.repack={repack!r} is not valid; use auto (probe this CPU once), on or off")
+        repack = repack_mode(repack)
         self.k = num_speculative_tokens
         self.binary = find_binary(binary)
         self.model = resolve_gguf(model["path"])
@@ -222,9 +219,7 @@ class LlamaServerBackend(Backend):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         reject_unknown(settings, ("threads", "ctx_per_slot", "binary", "port", "startup_timeout_s", "repack",
                                   "request_timeout_s"), "llamacpp_server")
-        repack = settings.get("repack", "auto")
-        if not isinstance(repack, bool) and repack not in MODES:
-            raise ValueError(f"backend.repack={repack!r} is not valid; use auto (probe this CPU once), on or off")
+        repack_mode(settings.get("repack", "auto"))
         if settings.get("threads") is not None and settings["threads"] < 1:
             raise ValueError(f"backend.threads={settings['threads']} is not valid; use a positive count or null")
         find_binary(settings.get("binary"))

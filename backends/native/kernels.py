@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..cpu_probe import cache_root, cpu_identity
+from ..cpu_probe import cache_root, cpu_identity, write_cached
 
 TUNE_VERSION = "2"
 ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # a row count uses the plan of the next rung up
@@ -133,13 +131,7 @@ def tune(weights, log=None) -> dict:
             timings = measure(w)
             plan = plan_from(timings)
             source = f"measured now ({time.perf_counter() - t0:.1f} s)"
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"key": key, "plan": plan, "timings_s": timings}, indent=1))
-                os.replace(tmp, path)
-            except OSError:
-                pass
+            write_cached(path, {"key": key, "plan": plan, "timings_s": timings})
             if log:
                 log(f"kernels for {label}: {plan_text(plan)}, {source}")
         PLANS[shape_key] = plan

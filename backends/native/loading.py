@@ -16,16 +16,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..cpu_probe import cache_root  # the one user cache (SPECSWEEP_CACHE), shared by every adapter
 from .model import SUPPORTED_ARCHS, ModelArgs, Transformer, rope_inv_freq
 
 DEFAULT_MODEL = "gemma3-270m"
 CACHE_VERSION = "1"
 
-
-def cache_root() -> Path:
-    import platformdirs
-
-    return Path(os.environ.get("SPECSWEEP_CACHE", platformdirs.user_cache_dir("specsweep")))
 
 
 def resolve_model_path(path: str) -> Path:
