@@ -7,6 +7,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from .methods import DRAFTER_KINDS
+
 
 @dataclass
 class ModelConfig:
@@ -18,6 +20,7 @@ class ModelConfig:
 class MethodConfig:
     name: str = MISSING
     speculative: bool = True
+    drafter: str = MISSING  # what drafts: none, lookup, model, head, layers or mixed (bench/methods.py)
     # Method-specific knobs (min_ngram, draft_layers, skip_layers, ...) are free-form; the
     # backend validates the ones it uses.
 
@@ -80,6 +83,9 @@ def validate(cfg) -> None:
     if cfg.method.get("speculative", True) and cfg.num_speculative_tokens < 1:
         problems.append(f"num_speculative_tokens={cfg.num_speculative_tokens}: a speculative method "
                         f"({cfg.method.name}) needs 1 or more")
+    if cfg.method.get("drafter") not in DRAFTER_KINDS:
+        problems.append(f"method.drafter={cfg.method.get('drafter')!r} (method {cfg.method.get('name')}): declare what "
+                        f"drafts, one of {', '.join(DRAFTER_KINDS)} (bench/methods.py)")
     if cfg.num_speculative_tokens < 0:
         problems.append(f"num_speculative_tokens={cfg.num_speculative_tokens}: use 0 or more")
     for key in ("max_new_tokens", "num_prompts", "repeats"):

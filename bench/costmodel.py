@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .methods import is_lookup
+
 
 @dataclass
 class DraftCost:
@@ -36,8 +38,8 @@ class CostModel:
     overhead_per_step: float = 0.0
     switching_cost: float = 0.0
     drafters: dict[str, DraftCost] = field(default_factory=dict)
-    default_neural: DraftCost | None = None  # for a method with no entry whose name is not n-gram-like
-    default_ngram: DraftCost | None = None
+    default_neural: DraftCost | None = None  # for a method with no entry whose drafter runs a model
+    default_ngram: DraftCost | None = None  # ... and whose drafter is a lookup (n-gram, suffix)
     source: str = ""
     # Optional prefill model (seconds = c_tokens * prompt_tokens + c_fixed). None: a prefill is a
     # target forward over the prompt, as published.
@@ -50,9 +52,11 @@ class CostModel:
         return self.prefill_c_tokens * prompt_tokens + self.prefill_c_fixed
 
     def draft(self, method: str) -> DraftCost:
+        """A method's draft cost: its own entry, else the default for its drafter kind (a lookup's or
+        a neural drafter's; bench/methods.py)."""
         if method in self.drafters:
             return self.drafters[method]
-        fallback = self.default_ngram if "ngram" in method or "lookup" in method else self.default_neural
+        fallback = self.default_ngram if is_lookup(method) else self.default_neural
         if fallback is None:
             raise ValueError(f"cost model {self.name!r} has no draft cost for method {method!r}; it has "
                              f"{', '.join(self.drafters) or 'none'}")

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import yaml
+from omegaconf import OmegaConf
 
+from .methods import drafter_kind
 from .metrics import batched_cycles
 from .results import find_sweep_dirs, load_summaries
 
@@ -36,6 +38,9 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
         g = batched_cycles(c)
         g["batched_tokens"] = g.rows * (g.kmax + 1)
         g["method"] = np.where(g.run == "baseline", "autoregressive", s.method)
+        job_cfg = Path(sweep_dir) / s.job / "config.yaml"
+        g["drafter"] = np.where(g.run == "baseline", "none", drafter_kind(OmegaConf.load(job_cfg).method if
+                                                                          job_cfg.exists() else s.method))
         g["job"] = s.job
         # A combined method's cycles mix drafters (draft_source per cycle): its verify passes count
         # for the target fit, but its drafting time fits no single drafter.
@@ -62,7 +67,8 @@ def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
              "fit": {"target": {"cycles": len(cycles), "relative_rms_error": err, "r2": r2}}}
     mixed = cycles.mixed_drafters if "mixed_drafters" in cycles else False
     for m, g in cycles[(cycles.method != "autoregressive") & (cycles.kmax > 0) & ~mixed].groupby("method"):
-        if "ngram" in m:
+        kind = g.drafter.iloc[0] if "drafter" in g else drafter_kind(m)
+        if kind == "lookup":  # no model forward: its drafting time is a share of the verify's
             model["drafters"][m] = {"kind": "relative", "fraction": float((g.t_draft / g.t_verify).median())}
             model["fit"][m] = {"cycles": len(g), "t_draft_median_s": float(g.t_draft.median())}
             continue

@@ -34,6 +34,7 @@ import numpy as np
 
 from . import metrics
 from .costmodel import CostModel, DraftCost
+from .methods import declare, is_lookup
 from .jsonl import read_jsonl
 
 SAMPLE_SEED = 42  # the published methodology samples 300 requests with random.seed(42)
@@ -424,8 +425,8 @@ def default_policies(methods: list[str], ks=(1, 3, 5)) -> list[Policy]:
     pols = []
     for m in methods:
         pols += [Policy("fixed", (m,), k) for k in ks] + [Policy("oracle", (m,))]
-    cheap = [m for m in methods if "ngram" in m]
-    neural = [m for m in methods if "ngram" not in m]
+    cheap = [m for m in methods if is_lookup(m)]
+    neural = [m for m in methods if not is_lookup(m)]
     if len(methods) > 1:
         ordered = tuple(cheap + neural)  # ties go to the cheap drafter
         pols.append(Policy("combined", ordered))
@@ -442,11 +443,11 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     rows = []
     for f in trace_files:
         traces = load_traces(f)
-        methods = sorted({m for t in traces for m in t.acc}, key=lambda m: ("ngram" not in m, m))
+        methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
         dataset = Path(f).stem.removeprefix("combined_")
         pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
         if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
-            pols += [Policy("randmatch", (m,), k) for m in methods if "ngram" in m for k in (1, 3, 5)]
+            pols += [Policy("randmatch", (m,), k) for m in methods if is_lookup(m) for k in (1, 3, 5)]
         for pol in pols:
             accs = accountings if pol.kind in ("combined", "fallback") else accountings[:1]
             for acc in accs:
@@ -552,6 +553,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-mode", choices=["set", "repeat"], default="set",
                     help="set: B different requests per batch (default); repeat: one request repeated B times, the "
                          "published methodology (use it to reproduce published numbers)")
+    ap.add_argument("--drafter-kind", nargs="+", default=[], metavar="NAME=KIND",
+                    help="the drafter kind of a trace's method that has no conf/method file (e.g. medusa=head); "
+                         "kinds: none, lookup, model, head, layers, mixed (bench/methods.py)")
     ap.add_argument("--out", default="oracle_results", help="output folder")
     a = ap.parse_args(argv)
     if any(b < 1 for b in a.batch_sizes):
@@ -559,6 +563,7 @@ def main(argv=None) -> int:
         return 2
     t0 = time.perf_counter()
     try:
+        declare(a.drafter_kind)
         cost = load_cost_model(a.cost_model)
         accountings = ["optimistic", "faithful"] if a.accounting == "both" else [a.accounting]
         df = run(a.traces, cost, a.batch_sizes, accountings, a.policies, a.requests, a.batch_mode)

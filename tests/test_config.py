@@ -76,3 +76,22 @@ def test_cli_unknown_workload_lists_options(tmp_path):
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert "poetry" in out and "code_edit" in out and "summarization" in out
+
+
+def test_every_method_declares_its_drafter_and_the_harness_reads_it_not_the_name(tmp_path):
+    from bench.costmodel import LLAMA31_8B_H100
+    from bench.methods import DRAFTER_KINDS, drafter_kind, known_methods
+
+    kinds = known_methods()
+    assert set(kinds.values()) <= set(DRAFTER_KINDS) and kinds["autoregressive"] == "none"
+    # suffix decoding runs no model: a lookup, priced as one (it once counted as neural by its name)
+    assert drafter_kind("suffix") == "lookup" and drafter_kind("eagle3") == "head"
+    assert LLAMA31_8B_H100.draft("suffix") is LLAMA31_8B_H100.default_ngram
+    assert LLAMA31_8B_H100.draft("p_eagle") is LLAMA31_8B_H100.default_neural
+    # a config's own declaration wins over its name
+    assert drafter_kind({"name": "ngram", "drafter": "model"}) == "model"
+    with pytest.raises(ValueError, match=r"'medusa' has no conf/method/medusa.yaml .*--drafter-kind medusa=KIND"):
+        drafter_kind("medusa")
+    cfg = _cfg("method.drafter=neural")
+    with pytest.raises(ConfigError, match=r"method.drafter='neural' \(method ngram\).*none, lookup, model, head"):
+        validate(cfg)

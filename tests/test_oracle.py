@@ -173,3 +173,20 @@ def test_random_match_model_bounds(tmp_path):
     assert simulate(traces, Policy.parse("randmatch:ngram:3:0.5"), cost, [1, 8])["speedup"] == half
     with pytest.raises(ValueError, match="no published match probability for dataset 'toy'"):
         simulate(traces, Policy.parse("randmatch:ngram:3"), cost, [1], dataset="toy")
+
+
+def test_a_trace_method_without_a_config_needs_its_drafter_kind_declared(tmp_path):
+    """The oracle pairs a cheap lookup with a model drafter by their declared kinds, not their names."""
+    rows = _rows(6)
+    for r in rows:
+        r["acc_medusa"] = r.pop("acc_eagle")
+    f = _write(tmp_path, rows)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.oracle", str(f), "--batch-sizes", "1", "--requests", "6", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "'medusa' has no conf/method/medusa.yaml" in r.stderr and "--drafter-kind" in r.stderr
+    r = subprocess.run(cmd + ["--drafter-kind", "medusa=head"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert set(pd.read_parquet(out / "oracle.parquet").policy) >= {"fallback:ngram+medusa:3", "combined:ngram+medusa"}
+    r = subprocess.run(cmd + ["--drafter-kind", "medusa=neural"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--drafter-kind 'medusa=neural': use NAME=KIND" in r.stderr
