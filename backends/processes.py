@@ -6,14 +6,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
-import logging
 import os
 import signal
 import socket
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.backend import BackendError, EngineTimeout
@@ -21,7 +19,6 @@ from bench.backend import BackendError, EngineTimeout
 from .cpu_probe import describe_exit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request to a server of ours
 
 
 def die_with_parent():
@@ -120,22 +117,6 @@ def cli_flags(args: dict) -> list[str]:
     return flags
 
 
-def send_together(one, prompts, engine: str, server) -> list:
-    """A batch's requests sent at once, one thread each (concurrency = batch size), results in
-    order. An HTTP failure is a BackendError with the server log's tail; a request that got no
-    answer within its timeout, an EngineTimeout."""
-    import httpx
-
-    try:
-        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            return list(pool.map(one, prompts))
-    except httpx.TimeoutException as e:
-        raise EngineTimeout(f"{engine} gave no answer in time ({type(e).__name__}: {e}); raise "
-                            f"backend.request_timeout_s if the engine is slow. Its log ends with:\n{server.log_tail()}") from e
-    except httpx.HTTPError as e:
-        raise BackendError(f"{engine} request failed: {e}; its log ends with:\n{server.log_tail()}") from e
-
-
 class Pool:
     """Engines kept for the sweep process, reused for every batch size and workload: two at most
     (a baseline and the latest speculative one, each holding its share of RAM or GPU memory),
@@ -146,16 +127,29 @@ class Pool:
     lock = threading.Lock()
 
     @classmethod
-    def get(cls, key: str, make):
+    def get(cls, key: str, make, reusable=lambda engine: True):
+        """The live engine under key if it is still running and reusable(engine) (e.g. it has enough
+        server slots), else a new one from make() (the old one stopped)."""
         with cls.lock:
             e = cls.live.pop(key, None)
-            if e is not None and e.proc.poll() is None:
+            if e is not None and e.proc.poll() is None and reusable(e):
                 cls.live[key] = e  # most recently used last
                 return e
+            if e is not None:
+                e.stop()
             while len(cls.live) >= cls.max_live:
                 cls.live.pop(next(iter(cls.live))).stop()
             e = cls.live[key] = make()
             return e
+
+    @classmethod
+    def discard(cls, engine):
+        """Stop one engine (an adapter closing what it started) and forget it."""
+        with cls.lock:
+            for key, e in list(cls.live.items()):
+                if e is engine:
+                    del cls.live[key]
+        engine.stop()
 
     @classmethod
     def stop_all(cls):
@@ -206,25 +200,27 @@ class EngineProcess:
 
 
 class ServerProcess(EngineProcess):
-    """An engine's HTTP server on 127.0.0.1, on a free port, in a process group of its own so that
-    stopping it also stops the processes it starts (an engine core, workers). It is ready when
-    /health answers 200. If it exits before that, the engine refused its configuration: a
-    ValueError with its log's tail."""
+    """An engine's HTTP server on 127.0.0.1, on a free port (or the one given), in a process group
+    of its own so that stopping it also stops the processes it starts (an engine core, workers).
+    It is ready when /health answers 200. If it exits before that: exited_error (ValueError, the
+    engine refused its configuration, by default) with its log's tail."""
 
-    def __init__(self, command, log: Path, timeout_s: float, engine: str, extra_env=None):
+    def __init__(self, command, log: Path, timeout_s: float, engine: str, extra_env=None, port: int | None = None,
+                 exited_error=ValueError, poll_s: float = 0.5):
         """command(port) -> the argument list that starts the server on that port."""
-        self.port = free_port()
+        self.engine = engine  # its name in messages
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = command(self.port)
-        env = self._open_logs(log, "$ " + " ".join(cmd), extra_env)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=die_with_parent)
-        wait_healthy(self, self.url + "/health", timeout_s, engine, exited_error=ValueError)
+        self.cmd = command(self.port)
+        env = self._open_logs(log, "$ " + " ".join(self.cmd), extra_env)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        wait_healthy(self, self.url + "/health", timeout_s, engine, exited_error=exited_error, poll_s=poll_s)
 
-    def metrics_page(self) -> str:
+    def metrics_page(self, timeout_s: float = 30.0) -> str:
         import httpx
 
-        return httpx.get(self.url + "/metrics", timeout=30).text
+        return httpx.get(self.url + "/metrics", timeout=timeout_s).text
 
     def stop(self):
         stop_group(self.proc)

@@ -36,13 +36,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import Backend, BackendError, BatchOutput, RequestOutput, Sampling, SpecCounters
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .processes import Pool, ServerProcess, Worker, cli_flags, send_together
+from .processes import Pool, ServerProcess, Worker, cli_flags
+from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, sglang_output,
+                      sglang_request_counts)
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
 ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
@@ -57,6 +58,7 @@ class SGLangConfig:
     mem_fraction_static: float = 0.5
     disable_cuda_graph: bool = False
     startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0  # one request (server mode) or one batch (offline)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -64,6 +66,9 @@ class SGLangConfig:
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"backend.mem_fraction_static={self.mem_fraction_static} is not valid; use a share of GPU "
                              "memory in (0, 1) for weights and KV cache")
+        for key in ("startup_timeout_s", "request_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use a positive number of seconds")
         for key in ("context_length", "max_running_requests"):
             if getattr(self, key) < 1:
                 raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use 1 or more")
@@ -97,49 +102,23 @@ def engine_args(model_path: str, cfg: SGLangConfig, spec: dict) -> dict:
 
 def request_counts(meta: dict, k: int) -> tuple[int, int, int, list[int]]:
     """One finished request's meta_info as (verify steps with a draft, draft tokens, accepted
-    draft tokens, accepted per draft position). A request without spec fields (finished at its
-    first token) has none."""
-    verify = int(meta.get("spec_verify_ct", 0) or 0)
-    if verify == 0:
-        return 0, 0, 0, [0] * k
-    hist = list(meta.get("spec_correct_drafts_histogram") or [])
-    # position i (0-based) is accepted in every verify that accepted more than i drafts
-    per_pos = [int(sum(hist[i + 1:])) for i in range(k)]
-    return verify, int(meta["spec_num_proposed_drafts"]), int(meta["spec_num_correct_drafts"]), per_pos
+    draft tokens, accepted per draft position): serving.sglang_request_counts as a tuple."""
+    c = sglang_request_counts(meta, k)
+    return c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_position
 
 
 def batch_counters(metas: list[dict], k: int) -> SpecCounters:
-    total = SpecCounters(0, 0, 0, [0] * k)
-    for m in metas:
-        total = total + SpecCounters(*request_counts(m, k))
-    return total
+    return sum((sglang_request_counts(m, k) for m in metas), SpecCounters(0, 0, 0, [0] * k))
 
 
 def metrics_counters(text: str) -> dict:
-    """The counters of SGLang's /metrics page (prometheus-client's parser), summed over labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict = {}
-    for fam in text_string_to_metric_families(text):
-        for sm in fam.samples:
-            if sm.name in ("sglang:spec_verify_calls_total", "sglang:generation_tokens_total", "sglang:prompt_tokens_total"):
-                out[sm.name] = out.get(sm.name, 0.0) + sm.value
-    return out
+    """The counters of SGLang's /metrics page (serving.read_counters), summed over labels."""
+    return read_counters(text, SGLANG_COUNTERS)
 
 
 def request_output(d: dict, returned_s: float, spec: bool, k: int) -> RequestOutput:
-    """One /generate (or Engine.generate) result as a RequestOutput: latencies from meta_info
-    (first_token_latency, e2e_latency) where SGLang reports them, else the time since the batch
-    was submitted at which the result came back."""
-    meta = d.get("meta_info", {})
-    ttft = meta.get("first_token_latency")
-    e2e = meta.get("e2e_latency") or returned_s
-    finish = (meta.get("finish_reason") or {}).get("type")
-    drafted = accepted = None
-    if spec:
-        _, drafted, accepted, _ = request_counts(meta, k)
-    return RequestOutput(list(d["output_ids"]), ttft, e2e, [e2e],
-                         finished_by="eos" if finish == "stop" else "length", drafted=drafted, accepted=accepted)
+    """One /generate (or Engine.generate) result as a RequestOutput (serving.sglang_output)."""
+    return sglang_output(d, returned_s, k if spec else None)
 
 
 def sglang_python(configured: str | None) -> str:
@@ -171,9 +150,9 @@ class SGLangBackend(Backend):
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
                  dtype: str = "auto", context_length: int = 2048, max_running_requests: int = 8,
                  mem_fraction_static: float = 0.5, disable_cuda_graph: bool = False, startup_timeout_s: float = 900.0,
-                 **unused):
+                 request_timeout_s: float = 600.0, **unused):
         self.cfg = SGLangConfig(python, dtype, context_length, max_running_requests, mem_fraction_static,
-                                disable_cuda_graph, startup_timeout_s)
+                                disable_cuda_graph, startup_timeout_s, request_timeout_s)
         self.method, self.k = dict(method), num_speculative_tokens
         self.spec = speculative_args(self.method, self.k)
         from backends.native.loading import export_hf_folder  # GGUF (the default model) -> HF folder, once
@@ -226,29 +205,17 @@ class SGLangBackend(Backend):
         params = self._sampling(sampling, max_new_tokens)
         counters = {}
         if self.server:
-            import httpx
-
             before = e.counters()
-            t0 = time.perf_counter()
-
-            def one(p):
-                r = httpx.post(e.url + "/generate", json={"input_ids": list(p), "sampling_params": params}, timeout=600)
-                if r.status_code != 200:
-                    raise BackendError(f"SGLang's server answered /generate with {r.status_code}: {r.text[:400]}")
-                return r.json(), time.perf_counter() - t0
-
-            results = send_together(one, prompts, "SGLang's server", e)
-            wall = time.perf_counter() - t0
-            after = e.counters()
-            counters = {key: after.get(key, 0) - before.get(key, 0) for key in after}
-            reqs = [request_output(d, back, spec, self.k) for d, back in results]
-            metas = [d.get("meta_info", {}) for d, _ in results]
+            reqs, wall = send_batch("sglang_generate", e.url, prompts, sampling, max_new_tokens,
+                                    self.cfg.request_timeout_s, "SGLang's server", e.log_tail, k=self.k if spec else 0)
+            counters = counter_delta(before, e.counters())
+            sc = sum((r.spec_counters for r in reqs), SpecCounters(0, 0, 0, [0] * self.k)) if spec else None
         else:
-            got = e.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "sampling": params})
+            got = e.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "sampling": params},
+                         self.cfg.request_timeout_s)
             wall = got["wall_s"]
             reqs = [request_output(d, wall, spec, self.k) for d in got["outputs"]]
-            metas = [d.get("meta_info", {}) for d in got["outputs"]]
-        sc = batch_counters(metas, self.k) if spec else None
+            sc = batch_counters([d.get("meta_info", {}) for d in got["outputs"]], self.k) if spec else None
         if sc is not None and "sglang:spec_verify_calls_total" in counters:
             counters["verify_calls_match_meta_info"] = counters["sglang:spec_verify_calls_total"] == sc.drafts
         return BatchOutput(reqs, wall, None, counters=counters, spec_counters=sc)

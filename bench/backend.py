@@ -33,6 +33,7 @@ class RequestOutput:
     finished_by: str = "length"
     drafted: int | None = None  # per-request counts, from engines without a per-cycle trace
     accepted: int | None = None
+    spec_counters: "SpecCounters | None" = None  # the request's whole acceptance record, where the engine gives one
 
 
 @dataclass

@@ -1,0 +1,252 @@
+"""The client side of every engine server, written once (as vLLM's benchmarks/serve.py has it):
+one request function per protocol, each sending one prompt and returning a RequestOutput; the
+fan-out that sends a batch's requests together; and one reader of Prometheus counters,
+parameterized by the metric names each engine exports.
+
+| protocol         | endpoint                   | streamed | engines                          |
+|------------------|----------------------------|----------|----------------------------------|
+| llama_completion | POST /completion           | no       | llama-server                     |
+| openai_stream    | POST /v1/completions       | yes      | vLLM (return_token_ids)          |
+| sglang_generate  | POST /generate             | no       | SGLang                           |
+
+Every request is sent as token ids (the harness tokenized the prompt once, for both arms) and
+timed from the moment its batch was submitted (t0): a request's e2e_s, and for streamed
+protocols each chunk's arrival (emit_times_s) and the first one (ttft_s, the client's TTFT).
+Requests are asynchronous (httpx.AsyncClient), so a batch of B is B requests in flight at once.
+
+Speculative counters (SpecCounters) come from a /metrics page before and after a batch: the
+deltas of the names in a CounterNames, summed over every label but the draft position.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from bench.backend import BackendError, EngineTimeout, RequestOutput, Sampling, SpecCounters
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request to a server of ours
+
+
+# --- one request function per protocol ----------------------------------------------------------
+
+@dataclass
+class Request:
+    """What one request function needs: the server, the prompt, how to sample, and the batch's
+    submission time that every latency is measured from."""
+    url: str
+    prompt: list[int]
+    sampling: Sampling
+    max_new_tokens: int
+    t0: float
+    timeout_s: float
+    k: int = 0  # the draft length of a speculative server (0: a baseline): its per-request counts are read
+    model: str | None = None  # the served model's name, where the protocol names it (OpenAI)
+    extra: dict | None = None  # more body fields, protocol-specific (llama-server's n_probs)
+
+
+def _finished_by(reason: str | None) -> str:
+    return "eos" if reason in ("stop", "eos") else "length"
+
+
+async def _check(r, what: str, engine: str):
+    if r.status_code != 200:
+        body = (await r.aread()).decode(errors="replace")[:400]
+        raise BackendError(f"{engine} answered {what} with {r.status_code}: {body}")
+
+
+async def llama_completion(client, q: Request) -> RequestOutput:
+    """llama-server's /completion (not streamed): tokens, its own prompt time (timings.prompt_ms,
+    no queueing: the engine's TTFT) and, per request, timings.draft_n / draft_n_accepted. With
+    extra n_probs=2 (greedy baselines), the top-2 log-probability margin of every token."""
+    extra = q.extra or {}
+    body = {"prompt": list(q.prompt), "n_predict": q.max_new_tokens, "temperature": q.sampling.temperature,
+            "top_p": q.sampling.top_p, "top_k": q.sampling.top_k, "seed": q.sampling.seed, "return_tokens": True,
+            "cache_prompt": False, **extra}
+    r = await client.post(q.url + "/completion", json=body, timeout=q.timeout_s)
+    await _check(r, "/completion", "llama-server")
+    d = r.json()
+    e2e = time.perf_counter() - q.t0
+    t = d.get("timings", {})
+    margins = None
+    if extra.get("n_probs"):
+        margins = []
+        for tp in d.get("completion_probabilities", []):
+            lp = sorted((c["logprob"] for c in tp.get("top_logprobs", [])), reverse=True)
+            margins.append(lp[0] - lp[1] if len(lp) > 1 else float("inf"))
+    prompt_ms = t.get("prompt_ms")
+    spec = q.k > 0
+    return RequestOutput(d["tokens"], prompt_ms / 1e3 if prompt_ms is not None else None, e2e, [e2e], margins,
+                         _finished_by(d.get("stop_type")), t.get("draft_n", 0) if spec else None,
+                         t.get("draft_n_accepted", 0) if spec else None)
+
+
+async def openai_stream(client, q: Request) -> RequestOutput:
+    """/v1/completions, streamed, with return_token_ids (vLLM): every chunk stamped on arrival."""
+    s = q.sampling
+    body = {"model": q.model, "prompt": list(q.prompt), "max_tokens": q.max_new_tokens, "temperature": s.temperature,
+            "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1, "seed": s.seed, "stream": True,
+            "return_token_ids": True, **(q.extra or {})}
+    ids, times, finish = [], [], None
+    async with client.stream("POST", q.url + "/v1/completions", json=body, timeout=q.timeout_s) as r:
+        await _check(r, "/v1/completions", "the OpenAI-compatible server")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice.get("token_ids"):
+                ids += choice["token_ids"]
+                times.append(time.perf_counter() - q.t0)
+            finish = choice.get("finish_reason") or finish
+    if not times:
+        raise BackendError(f"the server at {q.url} streamed no tokens for a prompt of {len(q.prompt)} tokens")
+    return RequestOutput(ids, times[0], times[-1], times, finished_by=_finished_by(finish))
+
+
+def sglang_request_counts(meta: dict, k: int) -> SpecCounters:
+    """One finished SGLang request's meta_info as its acceptance record: verify steps with a draft
+    (spec_verify_ct), draft tokens (spec_num_proposed_drafts), accepted draft tokens
+    (spec_num_correct_drafts) and accepted per draft position from spec_correct_drafts_histogram
+    (index j: verifies that accepted j drafts). A request without these fields (finished at its
+    first token) had none."""
+    verify = int(meta.get("spec_verify_ct", 0) or 0)
+    if verify == 0:
+        return SpecCounters(0, 0, 0, [0] * k)
+    hist = list(meta.get("spec_correct_drafts_histogram") or [])
+    # position i (0-based) is accepted in every verify that accepted more than i drafts
+    per_pos = [int(sum(hist[i + 1:])) for i in range(k)]
+    return SpecCounters(verify, int(meta["spec_num_proposed_drafts"]), int(meta["spec_num_correct_drafts"]), per_pos)
+
+
+def sglang_output(d: dict, returned_s: float, k: int | None) -> RequestOutput:
+    """One /generate (or Engine.generate) result: latencies from meta_info (first_token_latency,
+    e2e_latency) where SGLang reports them, else the time at which the result came back; with k
+    (a speculative engine) the request's own acceptance record."""
+    meta = d.get("meta_info", {})
+    e2e = meta.get("e2e_latency") or returned_s
+    counts = sglang_request_counts(meta, k) if k else None
+    return RequestOutput(list(d["output_ids"]), meta.get("first_token_latency"), e2e, [e2e],
+                         finished_by=_finished_by((meta.get("finish_reason") or {}).get("type")),
+                         drafted=counts.draft_tokens if counts else None,
+                         accepted=counts.accepted_tokens if counts else None, spec_counters=counts)
+
+
+async def sglang_generate(client, q: Request) -> RequestOutput:
+    """SGLang's native /generate with input_ids (not streamed)."""
+    s = q.sampling
+    params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+              "top_k": s.top_k if s.top_k > 0 else -1, "sampling_seed": s.seed}
+    r = await client.post(q.url + "/generate", json={"input_ids": list(q.prompt), "sampling_params": params},
+                          timeout=q.timeout_s)
+    await _check(r, "/generate", "SGLang's server")
+    return sglang_output(r.json(), time.perf_counter() - q.t0, q.k)
+
+
+PROTOCOLS: dict[str, Callable[..., Awaitable[RequestOutput]]] = {
+    "llama_completion": llama_completion,
+    "openai_stream": openai_stream,
+    "sglang_generate": sglang_generate,
+}
+
+
+def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tokens: int, timeout_s: float,
+               engine: str, log_tail: Callable[[], str] = lambda: "", **fields) -> tuple[list[RequestOutput], float]:
+    """A batch's requests sent at once (concurrency = batch size), results in order, and the
+    batch's wall time. A request that got no answer within timeout_s is an EngineTimeout, any other
+    HTTP failure a BackendError, each with the server log's tail."""
+    import httpx
+
+    request = PROTOCOLS[protocol]
+
+    async def run():
+        limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+        async with httpx.AsyncClient(limits=limits) as client:
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(request(client, Request(url, p, sampling, max_new_tokens, t0, timeout_s,
+                                                                  **fields)) for p in prompts))
+            return list(outs), time.perf_counter() - t0
+
+    try:
+        return asyncio.run(run())
+    except httpx.TimeoutException as e:
+        raise EngineTimeout(f"{engine} gave no answer in time ({type(e).__name__}: {e}); raise "
+                            f"backend.request_timeout_s if the engine is only slow. Its log ends with:\n{log_tail()}") from e
+    except httpx.HTTPError as e:
+        raise BackendError(f"{engine} request failed: {type(e).__name__}: {e}; its log ends with:\n{log_tail()}") from e
+
+
+# --- one Prometheus counter reader ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CounterNames:
+    """Where an engine's /metrics keeps the acceptance record (sample names, with _total); the
+    per-position counter is labelled `position`. Other names are kept beside (`extra`)."""
+    drafts: str
+    draft_tokens: str
+    accepted_tokens: str
+    accepted_per_position: str | None = None
+    extra: tuple[str, ...] = ()
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.drafts, self.draft_tokens, self.accepted_tokens, self.accepted_per_position)
+                     if n) + self.extra
+
+
+VLLM_COUNTERS = CounterNames("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                             "vllm:spec_decode_num_accepted_tokens_total",
+                             "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+LLAMA_SERVER_COUNTERS = CounterNames("llamacpp:spec_decode_num_drafts_total",
+                                     "llamacpp:spec_decode_num_draft_tokens_total",
+                                     "llamacpp:spec_decode_num_accepted_tokens_total",
+                                     "llamacpp:spec_decode_num_accepted_tokens_per_pos_total",
+                                     ("llamacpp:n_decode_total",))
+# SGLang's /metrics has no accepted-token counter (its acceptance is per request, in meta_info):
+# only its verify calls are read, as a cross-check.
+SGLANG_COUNTERS = ("sglang:spec_verify_calls_total", "sglang:generation_tokens_total", "sglang:prompt_tokens_total")
+
+
+def read_counters(text: str, names, per_label: str = "position") -> dict:
+    """The named counters of a Prometheus text page (prometheus-client's parser), each summed over
+    its labels (engines, model names); a counter labelled per_label becomes a list indexed by it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = set(names)
+    out: dict = {}
+    per: dict[str, dict[int, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sm in fam.samples:
+            if sm.name not in wanted:
+                continue
+            if per_label in sm.labels:
+                d = per.setdefault(sm.name, {})
+                i = int(sm.labels[per_label])
+                d[i] = d.get(i, 0.0) + sm.value
+            else:
+                out[sm.name] = out.get(sm.name, 0.0) + sm.value
+    for name, d in per.items():
+        out[name] = [d.get(i, 0.0) for i in range(max(d) + 1)]
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """after - before for every counter in after (lists position by position)."""
+    out = {}
+    for name, a in after.items():
+        b = before.get(name)
+        if isinstance(a, list):
+            b = b or []
+            out[name] = [x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(a)]
+        else:
+            out[name] = a - (b or 0.0)
+    return out
+
+
+def spec_counters(delta: dict, names: CounterNames, k: int) -> SpecCounters:
+    """The acceptance record of a counter delta: drafts, draft tokens, accepted tokens and
+    accepted per position (the first k)."""
+    per = [int(x) for x in delta.get(names.accepted_per_position, [])] if names.accepted_per_position else []
+    return SpecCounters(int(delta.get(names.drafts, 0) or 0), int(delta.get(names.draft_tokens, 0) or 0),
+                        int(delta.get(names.accepted_tokens, 0) or 0), (per + [0] * k)[:k])
