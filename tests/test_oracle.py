@@ -28,7 +28,7 @@ def speedup(pol, accounting="optimistic"):
 
 def test_oracle_k_verifies_exactly_what_is_accepted():
     t = trajectory(TRACE, Policy.parse("oracle:eagle"))
-    assert t.accepted.tolist() == [3, 1] and t.input_len.tolist() == [3, 1]
+    assert t.emitted.tolist() == [3, 1] and t.input_len.tolist() == [3, 1]
     assert speedup("oracle:eagle") == pytest.approx(5 / 4)  # 1 + 2 x (1 + 0.5)
     # n-gram: the first cycle proposes nothing (acc_len 1), so it costs no drafting, as published
     assert speedup("oracle:ngram") == pytest.approx(5 / (1 + 1 + 1.1))
@@ -36,13 +36,13 @@ def test_oracle_k_verifies_exactly_what_is_accepted():
 
 def test_fixed_k():
     t = trajectory(TRACE, Policy.parse("fixed:eagle:1"))
-    assert t.accepted.tolist() == [2, 2] and t.input_len.tolist() == [2, 2]
+    assert t.emitted.tolist() == [2, 2] and t.input_len.tolist() == [2, 2]
     assert speedup("fixed:eagle:1") == pytest.approx(5 / 4)
 
 
 def test_combined_optimistic_vs_faithful():
     t = trajectory(TRACE, Policy.parse("combined:ngram+eagle"))
-    assert t.accepted.tolist() == [3, 1] and t.winner.tolist() == [1, 0]  # a tie goes to the cheap drafter
+    assert t.emitted.tolist() == [3, 1] and t.winner.tolist() == [1, 0]  # a tie goes to the cheap drafter
     assert speedup("combined:ngram+eagle", "optimistic") == pytest.approx(5 / (1 + 2 * 1.1))  # only n-gram charged
     # faithful: both drafters every cycle, plus one switch (eagle -> ngram)
     assert speedup("combined:ngram+eagle", "faithful") == pytest.approx(5 / (1 + 2 * 1.6 + 0.25))
@@ -50,7 +50,7 @@ def test_combined_optimistic_vs_faithful():
 
 def test_realizable_fallback_uses_no_future_knowledge():
     t = trajectory(TRACE, Policy.parse("fallback:ngram+eagle:2"))
-    assert t.winner.tolist() == [0, 1, 0, 1] and t.accepted.tolist() == [1, 1, 1, 1]
+    assert t.winner.tolist() == [0, 1, 0, 1] and t.emitted.tolist() == [1, 1, 1, 1]
     assert speedup("fallback:ngram+eagle:2", "optimistic") == pytest.approx(5 / (1 + 4 + 2 * 0.1 + 2 * 0.6))
     assert speedup("fallback:ngram+eagle:2", "faithful") == pytest.approx(5 / (1 + 4 + 1.4 + 3 * 0.25))
 
@@ -70,7 +70,7 @@ def _loop_reference(t: Trace, pol: Policy, cost: CostModel, B: int):
     kv = B * P + B
     lat = np.full(B, pre + cost.overhead_per_step)
     cur = 1
-    for il, a in zip(traj.input_len, traj.accepted):
+    for il, a in zip(traj.input_len, traj.emitted):
         v = fwd(kv, B * il)
         cur += a
         for i in range(B):
