@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .methods import is_lookup
 
 
@@ -27,6 +29,14 @@ class DraftCost:
     def __post_init__(self):
         if self.kind not in ("linear", "relative"):
             raise ValueError(f"draft cost kind {self.kind!r} is not valid; use linear or relative")
+
+    def time(self, verify, kv_tokens, input_len):
+        """Seconds to draft one cycle (arrays broadcast): verify is that cycle's target forward,
+        kv_tokens the KV the drafter attends to, input_len the tokens it proposes + 1. A relative
+        cost is given kv_tokens' shape too, so that callers can sum drafters of either kind."""
+        if self.kind == "relative":
+            return self.fraction * verify + np.zeros_like(kv_tokens)
+        return self.c_kv * kv_tokens + self.c_tokens * input_len + self.c_fixed
 
 
 @dataclass
@@ -46,9 +56,14 @@ class CostModel:
     prefill_c_tokens: float | None = None
     prefill_c_fixed: float | None = None
 
+    def verify(self, kv_tokens, batched_tokens):
+        """Seconds for one target forward (arrays broadcast): kv_tokens of KV attended to, over all
+        rows of the batch, and batched_tokens fed in (a verify: each row's drafts + 1)."""
+        return self.c_kv * kv_tokens + self.c_compute * batched_tokens + self.c_fixed
+
     def prefill(self, prompt_tokens):
         if self.prefill_c_tokens is None:
-            return self.c_compute * prompt_tokens + self.c_fixed
+            return self.verify(0, prompt_tokens)  # a forward over the prompt with no KV before it
         return self.prefill_c_tokens * prompt_tokens + self.prefill_c_fixed
 
     def draft(self, method: str) -> DraftCost:

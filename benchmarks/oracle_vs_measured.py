@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.costmodel import cost_model_from_dict  # noqa: E402
 from bench.fitcost import fit_sweep  # noqa: E402
-from bench.oracle import Policy, load_traces, simulate  # noqa: E402
+from bench.oracle import FixedK, load_traces, simulate  # noqa: E402
 from bench.results import load_summaries  # noqa: E402
 from bench.traces import build_traces  # noqa: E402
 
@@ -34,7 +34,7 @@ def main(sweep: str) -> None:
         traces, _ = build_traces(sweep_dir / s.job, [s.method])
         f = tmp / f"{s.job}.jsonl"
         f.write_text("".join(json.dumps(r) + "\n" for r in traces))
-        sim = simulate(load_traces(f), Policy("fixed", (s.method,), int(s.num_speculative_tokens)), cost, [1],
+        sim = simulate(load_traces(f), FixedK((s.method,), int(s.num_speculative_tokens)), cost, [1],
                        n_requests=len(traces))["speedup"][0]
         rows.append((s.method, s.workload, s.speedup, s.speedup_ci_low, s.speedup_ci_high, sim))
         print(f"{s.method:12s} {s.workload:10s} measured {s.speedup:.2f} [{s.speedup_ci_low:.2f}, {s.speedup_ci_high:.2f}]"

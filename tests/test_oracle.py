@@ -28,7 +28,7 @@ def speedup(pol, accounting="optimistic"):
 
 def test_oracle_k_verifies_exactly_what_is_accepted():
     t = trajectory(TRACE, Policy.parse("oracle:eagle"))
-    assert t.accepted.tolist() == [3, 1] and t.input_len.tolist() == [3, 1]
+    assert t.emitted.tolist() == [3, 1] and t.input_len.tolist() == [3, 1]
     assert speedup("oracle:eagle") == pytest.approx(5 / 4)  # 1 + 2 x (1 + 0.5)
     # n-gram: the first cycle proposes nothing (acc_len 1), so it costs no drafting, as published
     assert speedup("oracle:ngram") == pytest.approx(5 / (1 + 1 + 1.1))
@@ -36,13 +36,13 @@ def test_oracle_k_verifies_exactly_what_is_accepted():
 
 def test_fixed_k():
     t = trajectory(TRACE, Policy.parse("fixed:eagle:1"))
-    assert t.accepted.tolist() == [2, 2] and t.input_len.tolist() == [2, 2]
+    assert t.emitted.tolist() == [2, 2] and t.input_len.tolist() == [2, 2]
     assert speedup("fixed:eagle:1") == pytest.approx(5 / 4)
 
 
 def test_combined_optimistic_vs_faithful():
     t = trajectory(TRACE, Policy.parse("combined:ngram+eagle"))
-    assert t.accepted.tolist() == [3, 1] and t.winner.tolist() == [1, 0]  # a tie goes to the cheap drafter
+    assert t.emitted.tolist() == [3, 1] and t.winner.tolist() == [1, 0]  # a tie goes to the cheap drafter
     assert speedup("combined:ngram+eagle", "optimistic") == pytest.approx(5 / (1 + 2 * 1.1))  # only n-gram charged
     # faithful: both drafters every cycle, plus one switch (eagle -> ngram)
     assert speedup("combined:ngram+eagle", "faithful") == pytest.approx(5 / (1 + 2 * 1.6 + 0.25))
@@ -50,7 +50,7 @@ def test_combined_optimistic_vs_faithful():
 
 def test_realizable_fallback_uses_no_future_knowledge():
     t = trajectory(TRACE, Policy.parse("fallback:ngram+eagle:2"))
-    assert t.winner.tolist() == [0, 1, 0, 1] and t.accepted.tolist() == [1, 1, 1, 1]
+    assert t.winner.tolist() == [0, 1, 0, 1] and t.emitted.tolist() == [1, 1, 1, 1]
     assert speedup("fallback:ngram+eagle:2", "optimistic") == pytest.approx(5 / (1 + 4 + 2 * 0.1 + 2 * 0.6))
     assert speedup("fallback:ngram+eagle:2", "faithful") == pytest.approx(5 / (1 + 4 + 1.4 + 3 * 0.25))
 
@@ -70,7 +70,7 @@ def _loop_reference(t: Trace, pol: Policy, cost: CostModel, B: int):
     kv = B * P + B
     lat = np.full(B, pre + cost.overhead_per_step)
     cur = 1
-    for il, a in zip(traj.input_len, traj.accepted):
+    for il, a in zip(traj.input_len, traj.emitted):
         v = fwd(kv, B * il)
         cur += a
         for i in range(B):
@@ -190,3 +190,52 @@ def test_a_trace_method_without_a_config_needs_its_drafter_kind_declared(tmp_pat
     assert set(pd.read_parquet(out / "oracle.parquet").policy) >= {"fallback:ngram+medusa:3", "combined:ngram+medusa"}
     r = subprocess.run(cmd + ["--drafter-kind", "medusa=neural"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--drafter-kind 'medusa=neural': use NAME=KIND" in r.stderr
+
+
+def test_every_policy_spec_round_trips_through_its_class():
+    from bench.oracle import POLICIES
+
+    specs = ["fixed:eagle:3", "oracle:ngram", "combined:ngram+suffix+eagle", "fallback:ngram+eagle:3",
+             "randmatch:ngram:3", "randmatch:ngram:5:0.25"]
+    for spec in specs:
+        p = Policy.parse(spec)
+        assert p.name == spec and type(p) is POLICIES[p.kind] and Policy.parse(p.name) == p
+    assert Policy.parse("combined:ngram+eagle").methods == ("ngram", "eagle") and Policy.parse("oracle:ngram").k == 0
+
+
+def test_a_new_policy_is_one_class_and_one_registry_line(monkeypatch):
+    """A policy of a test's own (the two drafters in turn, k fixed) plugs into parse, trajectory,
+    the timing and both accountings with nothing else changed."""
+    from bench.oracle import POLICIES
+
+    class Alternate(Policy):
+        kind, syntax = "alternate", "alternate:M1+M2:K"
+        drafts_k = switches = True
+
+        @classmethod
+        def from_args(cls, spec, args):
+            return cls(tuple(args[0].split("+")), int(args[1])) if len(args) == 2 else None
+
+        def propose(self, pos, acc_lens, drafted, prev):
+            w = 0 if prev is None else 1 - prev[0]
+            return w, self.k + 1, (w == 0, w == 1)  # only the chosen drafter runs
+
+    monkeypatch.setitem(POLICIES, "alternate", Alternate)
+    p = Policy.parse("alternate:ngram+eagle:1")
+    assert p.name == "alternate:ngram+eagle:1" and p.kind == "alternate"
+    t = trajectory(TRACE, p)
+    assert t.winner.tolist() == [0, 1, 0, 1] and t.emitted.tolist() == [1, 1, 1, 1] and t.input_len.tolist() == [2] * 4
+    # four 1 s verifies, drafting 0.1 (n-gram) and 0.5 (EAGLE) in turn; faithful: three switches
+    assert speedup("alternate:ngram+eagle:1", "optimistic") == pytest.approx(5 / (1 + 4 + 2 * 0.1 + 2 * 0.5))
+    assert speedup("alternate:ngram+eagle:1", "faithful") == pytest.approx(5 / (1 + 4 + 1.2 + 3 * 0.25))
+    with pytest.raises(ValueError, match=r"randmatch:NGRAM:K\[:P\], or alternate:M1\+M2:K$"):
+        Policy.parse("alternate:ngram")
+
+
+def test_cost_model_verify_is_the_published_target_forward():
+    cost = load_cost_model("llama3.1-8b-h100")
+    kv, tokens = np.array([0.0, 1000.0, 65536.0]), np.array([[1.0], [4.0]])
+    expected = 3.92645679e-08 * kv + 2.10103129e-05 * tokens + 5.88590713e-03  # SpecDecode-Bench's constants
+    assert np.allclose(cost.verify(kv, tokens), expected, rtol=1e-15, atol=0) and cost.verify(kv, tokens).shape == (2, 3)
+    assert cost.prefill(512) == cost.verify(0, 512)  # no prefill model: a forward over the prompt
+    assert UNIT.verify(123, 45) == 1.0

@@ -1,0 +1,224 @@
+"""Policies: what a speculative decoder does at each cycle, replayed over a trace.
+
+A policy is one small class holding the behaviour that sets it apart: which methods it uses, what
+it proposes at a position (how many tokens to verify, and whose draft), which drafters it is
+charged for, and whether it can switch drafter between cycles. POLICIES maps the name a spec
+starts with to its class, so a new policy is one class and one line there; Policy.parse reads
+specs such as "fixed:eagle:3".
+
+- fixed:M:K        method M always drafts K tokens (fewer where the trace records a shorter draft);
+- oracle:M         method M drafts exactly what will be accepted (oracle k);
+- combined:M+N     per position, the best of several methods, each at oracle k;
+- fallback:M+N:K   realizable (no future knowledge): M (a lookup, e.g. n-gram) at K while its
+                   previous cycle had a draft accepted, else N for one cycle;
+- randmatch:M:K[:P]  the published fixed-k n-gram model: where acc_len is 1 a copy of the request
+                   finds a match with probability P (published per dataset), else proposes nothing
+                   (simulated by simulate.simulate_randmatch, repeat batches only).
+
+Accountings (`accounting`), which matter only to a policy that can switch drafter:
+- optimistic: the published one. A combined policy is charged its first (cheap) drafter only.
+- faithful: every drafter whose proposal is needed to choose is charged, plus the cost model's
+  switching cost whenever the method used changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..costmodel import CostModel
+from ..methods import is_lookup
+
+
+class PolicyError(ValueError):
+    pass
+
+
+def _draft_length(spec: str, text: str) -> int:
+    k = int(text)
+    if not 1 <= k <= 64:
+        raise PolicyError(f"policy {spec!r}: draft length {k} is not valid; use 1..64")
+    return k
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What every policy shares. A subclass sets kind and syntax, reads its spec (from_args) and
+    says what it proposes at a position (propose)."""
+    methods: tuple[str, ...]
+    k: int = 0  # tokens drafted per cycle, for the policies that fix it
+
+    kind: ClassVar[str] = ""  # the first field of its spec, the key in POLICIES
+    syntax: ClassVar[str] = ""  # as the error for a spec that is not valid lists it
+    drafts_k: ClassVar[bool] = False  # k is part of it (and of its name)
+    # It can change drafter between cycles: the faithful accounting charges the switches (and
+    # combined policies every drafter), so its numbers differ by accounting.
+    switches: ClassVar[bool] = False
+    # As published for single-method policies: a lookup cycle that proposes nothing costs nothing.
+    free_empty_lookup: ClassVar[bool] = False
+    # False: it is a model of matches, not a replay of each position's acceptance (randmatch).
+    replays_trace: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{'+'.join(self.methods)}" + (f":{self.k}" if self.drafts_k else "")
+
+    @classmethod
+    def from_args(cls, spec: str, args: list[str]) -> "Policy | None":
+        """The policy a spec's fields after the kind give, or None where their shape is not this
+        policy's (Policy.parse then names every valid syntax)."""
+        raise NotImplementedError
+
+    def propose(self, pos: int, acc_lens, drafted, prev) -> tuple[int, int, tuple[bool, ...]]:
+        """The cycle starting at generated position pos: (index of the method whose draft is used,
+        tokens verified = drafts + 1, for each method whether its drafter ran). acc_lens[j] and
+        drafted[j] are method j's acc_len and recorded draft lengths (None: not recorded); prev is
+        (method used, tokens emitted) of the previous cycle, None at the first."""
+        raise NotImplementedError
+
+    def draft_time(self, cost: CostModel, accounting: str, ran, verify, kv, il):
+        """Drafting charged per cycle, arrays of any broadcastable shape: ran[..., j] whether
+        method j's drafter ran, verify the cycle's target forward, kv the KV tokens the drafter
+        sees, il the tokens verified."""
+        total = np.zeros_like(kv)
+        for j, m in enumerate(self.methods):
+            dc = cost.draft(m)
+            t = dc.time(verify, kv, il)
+            if self.free_empty_lookup and dc.kind == "relative":
+                t = np.where(il == 1, 0.0, t)
+            total = total + np.where(ran[..., j], t, 0.0)
+        return total
+
+    def charges_switching(self, accounting: str) -> bool:
+        return self.switches and accounting == "faithful"
+
+    @staticmethod
+    def parse(spec: str) -> "Policy":
+        kind, *args = spec.split(":")
+        cls = POLICIES.get(kind)
+        try:
+            pol = cls.from_args(spec, args) if cls else None
+        except PolicyError:
+            raise
+        except ValueError:  # a draft length or a probability that is not a number
+            pol = None
+        if pol is None:
+            *rest, last = [c.syntax for c in POLICIES.values()]
+            raise ValueError(f"policy {spec!r} is not valid; use {', '.join(rest)}, or {last}")
+        return pol
+
+
+class FixedK(Policy):
+    kind, syntax = "fixed", "fixed:METHOD:K"
+    drafts_k = free_empty_lookup = True
+
+    @classmethod
+    def from_args(cls, spec, args):
+        return cls((args[0],), _draft_length(spec, args[1])) if len(args) == 2 else None
+
+    def propose(self, pos, acc_lens, drafted, prev):
+        d = drafted[0]
+        # the drafter proposes only what it has (n-gram: nothing without a match)
+        return 0, (self.k if d is None else min(self.k, int(d[pos]))) + 1, (True,)
+
+
+class OracleK(Policy):
+    kind, syntax = "oracle", "oracle:METHOD"
+    free_empty_lookup = True
+
+    @classmethod
+    def from_args(cls, spec, args):
+        return cls((args[0],)) if len(args) == 1 else None
+
+    def propose(self, pos, acc_lens, drafted, prev):
+        return 0, int(acc_lens[0][pos]), (True,)
+
+
+class Combined(Policy):
+    kind, syntax = "combined", "combined:M1+M2[+...]"
+    switches = True
+
+    @classmethod
+    def from_args(cls, spec, args):
+        return cls(tuple(args[0].split("+"))) if len(args) == 1 and "+" in args[0] else None
+
+    def propose(self, pos, acc_lens, drafted, prev):
+        vals = [int(a[pos]) for a in acc_lens]
+        best = max(vals)
+        # every drafter runs, to choose; ties go to the first method listed (the cheap one)
+        return vals.index(best), best, (True,) * len(vals)
+
+    def draft_time(self, cost, accounting, ran, verify, kv, il):
+        if accounting == "optimistic":  # as published: the cheap drafter only, whichever wins
+            return cost.draft(self.methods[0]).time(verify, kv, il)
+        return super().draft_time(cost, accounting, ran, verify, kv, il)
+
+
+class Fallback(Policy):
+    kind, syntax = "fallback", "fallback:CHEAP+NEURAL:K"
+    drafts_k = switches = True
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if len(args) == 2 and args[0].count("+") == 1:
+            return cls(tuple(args[0].split("+")), _draft_length(spec, args[1]))
+        return None
+
+    def propose(self, pos, acc_lens, drafted, prev):
+        # The cheap method while its last cycle had a draft accepted (or the neural one just ran):
+        # known before the cycle, unlike the combined oracle's choice.
+        w = 0 if prev is None or prev[0] == 1 or prev[1] > 1 else 1
+        d = drafted[0] if w == 0 else None
+        # the lookup runs every cycle, it is how the rule decides; the neural drafter only when chosen
+        return w, (self.k if d is None else min(self.k, int(d[pos]))) + 1, (True, w == 1)
+
+
+@dataclass(frozen=True)
+class RandMatch(Policy):
+    match_prob: float | None = None  # None: the published value for the dataset
+
+    kind, syntax = "randmatch", "randmatch:NGRAM:K[:P]"
+    drafts_k, replays_trace = True, False
+
+    @property
+    def name(self):
+        return super().name + (f":{self.match_prob:g}" if self.match_prob is not None else "")
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if len(args) not in (2, 3):
+            return None
+        p = float(args[2]) if len(args) == 3 else None
+        if p is not None and not 0 <= p <= 1:
+            raise PolicyError(f"policy {spec!r}: match probability {p:g} is not valid; use 0..1")
+        return cls((args[0],), _draft_length(spec, args[1]), p)
+
+    def propose(self, pos, acc_lens, drafted, prev):
+        # a full draft every cycle: the published model ignores recorded draft lengths
+        return 0, self.k + 1, (True,)
+
+
+# kind -> class; the order is that of the syntaxes an error lists
+POLICIES: dict[str, type[Policy]] = {c.kind: c for c in (
+    FixedK,
+    OracleK,
+    Combined,
+    Fallback,
+    RandMatch,
+)}
+
+
+def default_policies(methods: list[str], ks=(1, 3, 5)) -> list[Policy]:
+    """fixed k and oracle k for each method; combined over all, lookups first (ties go to them);
+    fallback from the first lookup to the first model drafter."""
+    pols = []
+    for m in methods:
+        pols += [FixedK((m,), k) for k in ks] + [OracleK((m,))]
+    cheap = [m for m in methods if is_lookup(m)]
+    neural = [m for m in methods if not is_lookup(m)]
+    if len(methods) > 1:
+        pols.append(Combined(tuple(cheap + neural)))
+    if cheap and neural:
+        pols.append(Fallback((cheap[0], neural[0]), 3))
+    return pols

@@ -1,0 +1,73 @@
+"""Reporting of the oracle's table (simulate.run): a markdown summary and the speedup plot."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..costmodel import CostModel
+
+
+def summary_markdown(df, cost: CostModel) -> str:
+    mode = df.batch_mode.iloc[0] if len(df) else "set"
+    how = ("one request repeated B times (the published methodology); speedup = mean speculative throughput / mean "
+           "baseline throughput over the sampled requests" if mode == "repeat" else
+           "B different requests, rows leaving as they finish, each step waiting for its slowest drafter; speedup = "
+           "total speculative throughput / total baseline throughput")
+    lines = [f"# Oracle analysis ({cost.name})", "", f"Cost model: {cost.source or cost.name}.", "",
+             f"Batches: {how}. Single-method policies are charged the same in both accountings.", ""]
+    for ds, g in df.groupby("dataset"):
+        piv = g.pivot_table(index=["policy", "accounting"], columns="batch_size", values="speedup")
+        lines += [f"## {ds}", "", "| policy | accounting | " + " | ".join(f"B={b}" for b in piv.columns) + " |",
+                  "|---|---|" + "---|" * len(piv.columns)]
+        for (pol, acc), r in piv.iterrows():
+            lines.append(f"| {pol} | {acc} | " + " | ".join(f"{v:.2f}" for v in r.values) + " |")
+        b1 = g[g.batch_size == g.batch_size.min()]
+        comb = b1[(b1.kind == "combined") & (b1.accounting == "optimistic")]
+        faith = b1[(b1.kind == "combined") & (b1.accounting == "faithful")]
+        oracle1 = b1[b1.kind == "oracle"]
+        fixed1 = b1[b1.kind == "fixed"]
+        real = b1[(b1.kind == "fallback") & (b1.accounting == (faith.accounting.iloc[0] if len(faith) else "optimistic"))]
+        if len(comb) and len(fixed1):
+            best_fixed = fixed1.loc[fixed1.speedup.idxmax()]
+            opt = comb.speedup.max()
+            ork = f"; best single-method oracle-k {oracle1.speedup.max():.2f}x" if len(oracle1) else ""
+            lines += ["", f"At B={int(g.batch_size.min())}: best realizable single method {best_fixed.policy} "
+                      f"{best_fixed.speedup:.2f}x{ork}; combined oracle "
+                      f"{opt:.2f}x optimistic" + (f", {faith.speedup.max():.2f}x faithful" if len(faith) else "") + "."]
+            if len(real):
+                best_real = real.loc[real.speedup.idxmax()]
+                r = best_real.speedup
+                gap = opt - best_fixed.speedup
+                if gap < 0.05:
+                    lines.append(f"The realizable rule {best_real.policy} reaches {r:.2f}x; the combined bound is within "
+                                 f"{gap:.2f}x of {best_fixed.policy}, so there is little gap to close.")
+                elif r < best_fixed.speedup:
+                    lines.append(f"The best realizable rule, {best_real.policy}, reaches {r:.2f}x: below {best_fixed.policy} "
+                                 "alone, so it closes none of the gap to the combined bound.")
+                else:
+                    lines.append(f"The realizable rule {best_real.policy} reaches {r:.2f}x: it closes "
+                                 f"{100 * (r - best_fixed.speedup) / gap:.0f}% of the gap between {best_fixed.policy} and the "
+                                 "optimistic combined bound.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(df, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from ..report import save  # sets the Agg backend
+
+    dss = sorted(df.dataset.unique())
+    fig, axes = plt.subplots(1, len(dss), figsize=(4.6 * len(dss), 3.8), squeeze=False, sharey=True)
+    for ax, ds in zip(axes[0], dss):
+        g = df[(df.dataset == ds) & df.kind.isin(["oracle", "combined", "fallback"])]
+        for (pol, acc), h in g.groupby(["policy", "accounting"]):
+            if h.kind.iloc[0] == "oracle" and acc != g.accounting.iloc[0]:
+                continue
+            h = h.sort_values("batch_size")
+            ax.plot(h.batch_size, h.speedup, marker="o", ls="--" if acc == "faithful" else "-",
+                    label=f"{pol}" + (f" ({acc})" if h.kind.iloc[0] != "oracle" else ""))
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set(title=ds, xscale="log", xlabel="batch size")
+    axes[0][0].set_ylabel("simulated speedup")
+    axes[0][-1].legend(fontsize=6)
+    return save(fig, out, "oracle_speedup")

@@ -1,0 +1,273 @@
+"""Simulators: a policy's trajectory over a trace, and its timing under a cost model.
+
+A policy walks each request: at generated position i it proposes `input_len` tokens to verify
+(drafts + 1), emits min(acc_len, input_len), and moves on (trajectory). Timing follows
+SpecDecode-Bench's methodology: prefill counted, per-step overhead, target forward =
+CostModel.verify(kv, batched_tokens).
+
+- simulate: `repeat` batches, one request repeated B times (as published); speedup = mean
+  speculative throughput / mean baseline throughput over the sampled requests. The trajectory of a
+  request under a deterministic policy does not depend on B, so it is computed once and the time of
+  every batch size follows in closed form (numpy; request_times).
+- simulate_randmatch: the published random n-gram match model, under simulate.
+- simulate_set: batches of B different requests, as a server sees them.
+- run: every policy x accounting x batch size for trace files, as a table.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import metrics
+from ..costmodel import CostModel
+from ..methods import is_lookup
+from .policies import Policy, RandMatch, default_policies
+from .tracefile import Trace, generated_len, load_traces
+
+SAMPLE_SEED = 42  # the published methodology samples 300 requests with random.seed(42)
+
+# The published simulator's n-gram match model for fixed k: where acc_len is 1, each copy of the
+# request finds a match with this probability (else it proposes nothing), by dataset.
+PUBLISHED_MATCH_PROB = {"sharegpt": 0.2, "cnn": 0.4, "gsm8k": 0.2, "instructcoder": 0.8}
+
+
+@dataclass
+class Trajectory:
+    input_len: np.ndarray  # per cycle: tokens verified (drafts + 1)
+    emitted: np.ndarray  # per cycle: tokens emitted (accepted drafts + 1)
+    ran: np.ndarray  # per cycle x method: did that drafter run (bool)
+    winner: np.ndarray  # per cycle: index of the method whose proposal was used
+
+
+def trajectory(t: Trace, pol: Policy) -> Trajectory:
+    acc_lens = [t.acc[m] for m in pol.methods]
+    drafted = [(t.drafted or {}).get(m) for m in pol.methods]
+    G = generated_len(t, pol.methods)
+    cur = 1  # the first token comes from prefill
+    inp, emitted, ran, win = [], [], [], []
+    prev = None
+    while cur < G:  # every cycle emits >= 1 token (acc_len >= 1, k >= 1 checked on input): at most G cycles
+        pos = cur - 1
+        w, il, r = pol.propose(pos, acc_lens, drafted, prev)
+        a = min(int(acc_lens[w][pos]), il)
+        if a < 1:  # a trace or policy built around load_traces / Policy.parse: refuse rather than loop
+            raise ValueError(f"request {t.id}, policy {pol.name}: a cycle at position {pos} would emit {a} tokens")
+        inp.append(il)
+        emitted.append(a)
+        ran.append(r)
+        win.append(w)
+        prev = (w, a)
+        cur += a
+    return Trajectory(np.asarray(inp, np.int64), np.asarray(emitted, np.int64),
+                      np.asarray(ran, bool).reshape(-1, len(pol.methods)), np.asarray(win, np.int64))
+
+
+def baseline_time(cost: CostModel, P, G, B):
+    """Latency of a request decoded without speculation in a batch of B copies (arrays broadcast):
+    prefill, then G - 1 decode steps while the KV grows by B per step. The steps' KV term is summed
+    in closed form (an arithmetic series), the rest of each step is a verify of B tokens at no KV."""
+    n = G - 1
+    return (cost.prefill(B * P) + cost.overhead_per_step + n * (cost.verify(0, B) + cost.overhead_per_step)
+            + cost.c_kv * B * (n * (P + 1) + n * (n - 1) / 2))
+
+
+def _result(batch_sizes, speedups, trajs, n_requests: int) -> dict:
+    # every simulated cycle is one target forward, whether it drafted or not: tokens per forward
+    # (bench.metrics' definition), which the first versions of this table called mean_acceptance_length
+    emitted = np.concatenate([t.emitted for t in trajs]) if trajs else np.zeros(0)
+    return {"batch_sizes": list(batch_sizes), "speedup": list(speedups),
+            "tokens_per_forward": metrics.tokens_per_forward(emitted), "requests": n_requests}
+
+
+def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: np.ndarray, accounting: str):
+    """Baseline and speculative latency of one request, batched as B copies of itself, for every
+    batch size in B at once. Returns (baseline_latency[nB], spec_latency[nB], generated_len)."""
+    P = t.prompt_len
+    G = generated_len(t, pol.methods)
+    Bf = B.astype(np.float64)
+    prefill = cost.prefill(Bf * P)
+    base = baseline_time(cost, P, G, Bf)
+    # Speculative: per cycle, verify over B * input_len tokens at the KV before the cycle.
+    emitted, il = traj.emitted.astype(np.float64), traj.input_len.astype(np.float64)
+    cum_before = np.concatenate(([0.0], np.cumsum(emitted)[:-1]))
+    kv_before = Bf[None, :] * (P + 1 + cum_before[:, None])  # [cycles, nB]
+    verify = cost.verify(kv_before, Bf[None, :] * il[:, None])
+    # The published simulator updates the KV count request by request inside a cycle, so copy i of
+    # the batch drafts at kv_before + i * delta; the mean over copies is (B - 1) / 2 * delta.
+    delta = emitted.copy()
+    if len(delta):
+        delta[-1] -= (1 + emitted.sum()) + P  # the last cycle also frees the request's KV
+    kv_mean = kv_before + (Bf[None, :] - 1) / 2 * delta[:, None]
+    draft = pol.draft_time(cost, accounting, traj.ran[:, None, :], verify, kv_mean, il[:, None])
+    step = verify + draft + cost.overhead_per_step
+    if pol.charges_switching(accounting) and len(traj.winner) > 1:
+        switches = float((traj.winner[1:] != traj.winner[:-1]).sum())
+        step_total = step.sum(axis=0) + switches * cost.switching_cost
+    else:
+        step_total = step.sum(axis=0)
+    spec = prefill + cost.overhead_per_step + step_total
+    return base, spec, G
+
+
+def _check_methods(traces, pol: Policy) -> None:
+    missing = [m for m in pol.methods if not any(m in t.acc for t in traces)]
+    if missing:
+        have = sorted({m for t in traces for m in t.acc})
+        raise ValueError(f"policy {pol.name}: the traces have no method {missing}; they have {have}")
+
+
+def sample_requests(traces: list[Trace], methods, n: int = 300, rng: random.Random | None = None) -> list[Trace]:
+    """The published sampling: random.seed(42); random.sample(requests with output, k=300). Pass
+    rng to keep drawing from the same stream afterwards."""
+    usable = [t for t in traces if all(m in t.acc for m in methods) and generated_len(t, methods) > 0]
+    rng = rng or random.Random(SAMPLE_SEED)
+    return rng.sample(usable, k=min(n, len(usable)))
+
+
+def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, accounting: str = "optimistic",
+             n_requests: int = 300, dataset: str | None = None) -> dict:
+    """Speedup per batch size, `repeat` batches (one request repeated B times, as published)."""
+    _check_methods(traces, pol)
+    if not pol.replays_trace:
+        return simulate_randmatch(traces, pol, cost, batch_sizes, n_requests, dataset)
+    B = np.asarray(batch_sizes, dtype=np.int64)
+    reqs = sample_requests(traces, pol.methods, n_requests)
+    base_tpt = np.zeros(len(B))
+    spec_tpt = np.zeros(len(B))
+    trajs = [trajectory(t, pol) for t in reqs]
+    for t, traj in zip(reqs, trajs):
+        base, spec, G = request_times(t, pol, traj, cost, B, accounting)
+        base_tpt += B * G / base
+        spec_tpt += B * G / spec
+    speedup = spec_tpt / base_tpt  # ratio of mean throughputs (the means' 1/n cancels)
+    return _result(B.tolist(), speedup.tolist(), trajs, len(reqs))
+
+
+def simulate_randmatch(traces, pol: RandMatch, cost: CostModel, batch_sizes, n_requests: int = 300,
+                       dataset: str | None = None) -> dict:
+    """The published fixed-k n-gram model, reproduced number for number (repeat batches only).
+
+    Where acc_len is 1 a copy drafts k tokens with probability p, else nothing; either way it
+    emits one token, so the copies of a request stay in step and only the verified token count and
+    the drafting charge vary. The draws are Python's random() stream after random.seed(42) and the
+    300-request sample, consumed copy by copy as the published simulator does; numpy's MT19937
+    replays that stream (same generator state, same 53-bit doubles), vectorized."""
+    p = pol.match_prob if pol.match_prob is not None else PUBLISHED_MATCH_PROB.get(dataset or "")
+    if p is None:
+        raise ValueError(f"policy {pol.name}: no published match probability for dataset {dataset!r} "
+                         f"({', '.join(PUBLISHED_MATCH_PROB)}); give one: randmatch:{pol.methods[0]}:{pol.k}:P")
+    dc = cost.draft(pol.methods[0])
+    rng = random.Random(SAMPLE_SEED)
+    reqs = sample_requests(traces, pol.methods, n_requests, rng)
+    version, state, _ = rng.getstate()
+    mt = np.random.RandomState()
+    mt.set_state(("MT19937", np.asarray(state[:-1], dtype=np.uint32), state[-1]))
+    mt_state = mt.get_state()
+    if dc.kind != "relative":
+        raise ValueError(f"policy {pol.name}: the random match model is for n-gram (relative-cost) drafters")
+    trajs = [trajectory(t, pol) for t in reqs]
+    # Every cycle of every request, concatenated in the order the published simulator visits them.
+    befores = [np.cumsum(tr.emitted) - tr.emitted for tr in trajs]  # tokens before each cycle = its position
+    emitted = np.concatenate([tr.emitted for tr in trajs] + [np.zeros(0)]).astype(float)
+    req = np.concatenate([np.full(len(tr.emitted), i) for i, tr in enumerate(trajs)] + [np.zeros(0, int)])
+    cum_before = np.concatenate(befores + [np.zeros(0)]).astype(float)
+    one = np.concatenate([np.asarray(t.acc[pol.methods[0]])[b] == 1 for t, b in zip(reqs, befores)] + [np.zeros(0, bool)])
+    P = np.array([t.prompt_len for t in reqs], float)
+    G = np.array([generated_len(t, pol.methods) for t in reqs], float)
+    n_one = int(one.sum())
+    speedups = []
+    for B in batch_sizes:
+        mt.set_state(mt_state)  # the published simulator reseeds before every batch size
+        m = np.full(len(emitted), float(B))
+        m[one] = (mt.random_sample(B * n_one) < p).reshape(-1, B).sum(1)  # copies with a match, per such cycle
+        pre = cost.prefill(B * P) + cost.overhead_per_step
+        base = baseline_time(cost, P, G, B)
+        verify = cost.verify(B * (P[req] + 1 + cum_before), m * (pol.k + 1) + (B - m))
+        step = verify + dc.fraction * verify * m / B + cost.overhead_per_step  # a copy without a match drafts nothing
+        spec = pre + np.bincount(req, weights=step, minlength=len(reqs))
+        speedups.append(float((B * G / spec).sum() / (B * G / base).sum()))
+    return _result(batch_sizes, speedups, trajs, len(reqs))
+
+
+def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, accounting: str = "optimistic",
+                 n_requests: int = 300) -> dict:
+    """Batches of B different requests (consecutive groups of the sampled requests), as a server
+    sees them: rows leave when they finish, a step verifies every active row in one forward and
+    waits for the slowest row's drafting. speedup = total speculative throughput / baseline's."""
+    _check_methods(traces, pol)
+    reqs = sample_requests(traces, pol.methods, n_requests)
+    if not reqs:
+        raise ValueError(f"policy {pol.name}: no request has a trace for every one of {list(pol.methods)}")
+    trajs = [trajectory(t, pol) for t in reqs]
+    speedups = []
+    for B in batch_sizes:
+        groups = [list(range(i, min(i + B, len(reqs)))) for i in range(0, len(reqs), B)]
+        if len(groups) > 1 and len(groups[-1]) < B:
+            groups = groups[:-1]  # a partial tail batch would mix batch sizes
+        tok = base_t = spec_t = 0.0
+        for g in groups:
+            P = np.array([reqs[i].prompt_len for i in g], float)
+            G = np.array([generated_len(reqs[i], pol.methods) for i in g], float)
+            tok += G.sum()
+            pre = cost.prefill(P.sum()) + cost.overhead_per_step
+            # baseline: step s decodes the rows with G - 1 > s
+            S = int(G.max()) - 1
+            s = np.arange(S)[None, :]
+            act = s < (G - 1)[:, None]
+            kv = np.where(act, (P + 1)[:, None] + s, 0.0)
+            base_t += pre + (cost.verify(kv.sum(0), act.sum(0)) + cost.overhead_per_step).sum()
+            # speculative: pad the rows' trajectories to the longest
+            T = max(len(trajs[i].emitted) for i in g)
+            il = np.zeros((len(g), T))
+            emitted = np.zeros((len(g), T))
+            ran = np.zeros((len(g), T, len(pol.methods)), bool)
+            win = np.full((len(g), T), -1)
+            for r, i in enumerate(g):
+                n = len(trajs[i].emitted)
+                il[r, :n], emitted[r, :n], ran[r, :n], win[r, :n] = (trajs[i].input_len, trajs[i].emitted,
+                                                                    trajs[i].ran, trajs[i].winner)
+            act = il > 0
+            kv = np.where(act, (P + 1)[:, None] + np.cumsum(emitted, 1) - emitted, 0.0)
+            verify = cost.verify(kv.sum(0), il.sum(0))
+            draft = np.where(act, pol.draft_time(cost, accounting, ran, verify[None, :], kv, il), 0.0).max(0)
+            step = verify + draft + cost.overhead_per_step
+            if pol.charges_switching(accounting) and T > 1:
+                switched = ((win[:, 1:] != win[:, :-1]) & act[:, 1:]).any(0)
+                step[1:] += switched * cost.switching_cost
+            spec_t += pre + step.sum()
+        speedups.append((tok / spec_t) / (tok / base_t))
+    return _result(batch_sizes, speedups, trajs, len(reqs))
+
+
+def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=None, n_requests: int = 300,
+        batch_mode: str = "set"):
+    """Every policy x accounting x batch size for every trace file; returns a DataFrame."""
+    import pandas as pd
+
+    rows = []
+    for f in trace_files:
+        traces = load_traces(f)
+        methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
+        dataset = Path(f).stem.removeprefix("combined_")
+        pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
+        if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
+            pols += [RandMatch((m,), k) for m in methods if is_lookup(m) for k in (1, 3, 5)]
+        for pol in pols:
+            simulated = accountings if pol.switches else accountings[:1]  # the others' are the same in both
+            for accounting in simulated:
+                if batch_mode == "repeat":
+                    r = simulate(traces, pol, cost, batch_sizes, accounting, n_requests, dataset)
+                elif not pol.replays_trace:
+                    raise ValueError(f"policy {pol.name} models the published repeat batches; use --batch-mode repeat")
+                else:
+                    r = simulate_set(traces, pol, cost, batch_sizes, accounting, n_requests)
+                for b, s in zip(r["batch_sizes"], r["speedup"]):
+                    for a in (accountings if len(simulated) == 1 else [accounting]):
+                        rows.append({"dataset": dataset, "policy": pol.name, "kind": pol.kind,
+                                     "methods": "+".join(pol.methods), "k": pol.k or None, "batch_size": b, "accounting": a,
+                                     "speedup": s, "tokens_per_forward": r["tokens_per_forward"],
+                                     "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode})
+    return pd.DataFrame(rows)
