@@ -34,6 +34,9 @@ class RequestOutput:
     drafted: int | None = None  # per-request counts, from engines without a per-cycle trace
     accepted: int | None = None
     spec_counters: "SpecCounters | None" = None  # the request's whole acceptance record, where the engine gives one
+    # Under load (Backend.serve): when the request was submitted, in seconds since the load run
+    # began; its ttft_s, e2e_s and emit_times_s then count from that moment. A static batch: 0.
+    submitted_s: float = 0.0
 
 
 @dataclass
@@ -77,6 +80,21 @@ class BatchOutput:
     # specsweep's plugin): one dict per engine step with t_draft, t_verify, t_other (as in a cycle),
     # rows, tokens, spec_tokens (draft tokens verified in it) and decode (every row decoding).
     steps: list[dict] | None = None
+
+
+@dataclass
+class LoadPlan:
+    """When the requests of a load run are submitted (bench/load.py builds it from the `load`
+    config). concurrency: a closed loop, `concurrency` requests outstanding at all times (request
+    i+N is submitted when one of the N in flight finishes), in request order. rate: an open loop,
+    request i submitted arrivals_s[i] seconds after the run began, whatever is in flight then.
+    max_rows: the most requests the engine is asked to run at once (its slots, rows or sequences):
+    the concurrency, or for a rate the `load.max_rows` given; requests beyond it wait in the
+    engine's (or the scheduler's) queue, and their TTFT includes that wait."""
+    kind: str  # "concurrency" | "rate"
+    max_rows: int
+    concurrency: int | None = None
+    arrivals_s: list[float] | None = None
 
 
 def reject_unknown(settings: dict, valid, backend: str) -> None:
@@ -124,6 +142,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         """Run the prompts as one batch (all submitted together)."""
+
+    # The load kinds `serve` supports besides "static" (generate): "concurrency", "rate".
+    load_kinds: tuple[str, ...] = ()
+
+    def serve(self, prompts: list[list[int]], sampling: Sampling, max_new_tokens: int, speculative: bool,
+              plan: LoadPlan) -> BatchOutput:
+        """Serve the prompts as the plan submits them, the engine batching continuously (a request
+        joins as a row frees; finished rows leave): one BatchOutput for the whole run, its requests
+        in prompt order with their submitted_s, wall_s from the run's start to the last answer,
+        cycles (if traced) with batch_rows the rows each verify served."""
+        raise NotImplementedError(f"backend {self.name} serves no load but static batches")
 
     def draft_predictions(self, sequences: list[list[int]]) -> tuple[list[list[int]], str] | None:
         """Teacher forcing, for acceptance traces: for each token sequence, the configured drafter's
