@@ -34,12 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.backend import Backend, BackendError, BatchOutput, EngineTimeout, Sampling, reject_unknown
+from bench.backend import Backend, BackendError, BatchOutput, EngineTimeout, LoadPlan, Sampling, reject_unknown
 
 from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, die_with_parent, free_port, stop
-from .serving import LLAMA_SERVER_COUNTERS, counter_delta, read_counters, send_batch, spec_counters
+from .serving import LLAMA_SERVER_COUNTERS, counter_delta, read_counters, serve_load, spec_counters
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
@@ -154,6 +154,7 @@ class LlamaServerBackend(Backend):
     supported_methods = METHODS
     # timings.prompt_ms: the server's prompt processing, without queueing; /completion is not streamed
     ttft_source, emit_granularity = "engine", "none"
+    load_kinds = ("concurrency", "rate")  # llama-server batches its slots continuously
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
                  ctx_per_slot: int = 2048, binary: str | None = None, port: int | None = None,
@@ -232,25 +233,40 @@ class LlamaServerBackend(Backend):
         s = self._server(False, 1)
         return httpx.post(s.url + "/detokenize", json={"tokens": list(ids)}, timeout=30).json()["content"]
 
-    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
+                 plan: LoadPlan | None = None) -> BatchOutput:
         import httpx
 
         try:
-            return self._generate(prompts, sampling, max_new_tokens, speculative)
+            return self._generate(prompts, sampling, max_new_tokens, speculative, plan)
         except httpx.TimeoutException as e:  # /metrics or /completion: a server that stopped answering
             s = self.servers.get(speculative and self.method["name"] != "autoregressive")
             raise EngineTimeout(f"llama-server gave no answer in time ({type(e).__name__}: {e}); raise "
                                 f"backend.request_timeout_s if it is only slow. Its log ends with:\n"
                                 f"{s.log_tail() if s else ''}") from e
 
-    def _generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+    _served_load = False
+
+    def latency_contract(self) -> dict:
+        if self._served_load:  # TTFT from the client's side: a load's queueing is part of it
+            return {"ttft_source": "client", "emit_granularity": "none"}
+        return super().latency_contract()
+
+    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
+        return self.generate(prompts, sampling, max_new_tokens, speculative, plan)
+
+    def _generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
+                  plan: LoadPlan | None = None) -> BatchOutput:
         spec = speculative and self.method["name"] != "autoregressive"
-        s = self._server(spec, len(prompts))
+        loaded = plan is not None
+        self._served_load = self._served_load or loaded
+        plan = plan or LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts))  # a static batch
+        s = self._server(spec, plan.max_rows)  # -np: one slot per row the load may run at once
         before = self._counters(s)
         top2 = sampling.temperature == 0 and not spec  # greedy baselines: the margins of the lossless check
-        reqs, wall = send_batch("llama_completion", s.url, prompts, sampling, max_new_tokens, self.request_timeout_s,
-                                "llama-server", s.log_tail, k=self.k if spec else 0,
-                                extra={"n_probs": 2 if top2 else 0})
+        reqs, wall = serve_load("llama_completion", s.url, prompts, sampling, max_new_tokens, plan,
+                                self.request_timeout_s, "llama-server", s.log_tail, k=self.k if spec else 0,
+                                extra={"n_probs": 2 if top2 else 0}, client_ttft=loaded)
         delta = counter_delta(before, self._counters(s))
         return BatchOutput(reqs, wall, None, delta, spec_counters(delta, LLAMA_SERVER_COUNTERS, self.k) if spec else None)
 

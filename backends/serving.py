@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from bench.backend import BackendError, EngineTimeout, RequestOutput, Sampling, SpecCounters
+from bench.backend import BackendError, EngineTimeout, LoadPlan, RequestOutput, Sampling, SpecCounters
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request to a server of ours
 
@@ -46,6 +46,9 @@ class Request:
     k: int = 0  # the draft length of a speculative server (0: a baseline): its per-request counts are read
     model: str | None = None  # the served model's name, where the protocol names it (OpenAI)
     extra: dict | None = None  # more body fields, protocol-specific (llama-server's n_probs)
+    # Under load, TTFT must include the wait in the engine's queue: where the protocol streams no
+    # first token, it is derived from the client's e2e less the engine's own generation time.
+    client_ttft: bool = False
 
 
 def _finished_by(reason: str | None) -> str:
@@ -60,7 +63,8 @@ async def _check(r, what: str, engine: str):
 
 async def llama_completion(client, q: Request) -> RequestOutput:
     """llama-server's /completion (not streamed): tokens, its own prompt time (timings.prompt_ms,
-    no queueing: the engine's TTFT) and, per request, timings.draft_n / draft_n_accepted. With
+    no queueing: the engine's TTFT; with client_ttft, e2e less timings.predicted_ms instead, which
+    includes the wait for a slot) and, per request, timings.draft_n / draft_n_accepted. With
     extra n_probs=2 (greedy baselines), the top-2 log-probability margin of every token."""
     extra = q.extra or {}
     body = {"prompt": list(q.prompt), "n_predict": q.max_new_tokens, "temperature": q.sampling.temperature,
@@ -77,9 +81,13 @@ async def llama_completion(client, q: Request) -> RequestOutput:
         for tp in d.get("completion_probabilities", []):
             lp = sorted((c["logprob"] for c in tp.get("top_logprobs", [])), reverse=True)
             margins.append(lp[0] - lp[1] if len(lp) > 1 else float("inf"))
-    prompt_ms = t.get("prompt_ms")
+    prompt_ms, predicted_ms = t.get("prompt_ms"), t.get("predicted_ms")
+    if q.client_ttft:  # submitted -> first token = e2e - the time the server spent generating after it
+        ttft = max(0.0, e2e - predicted_ms / 1e3) if predicted_ms is not None else None
+    else:
+        ttft = prompt_ms / 1e3 if prompt_ms is not None else None
     spec = q.k > 0
-    return RequestOutput(d["tokens"], prompt_ms / 1e3 if prompt_ms is not None else None, e2e, [e2e], margins,
+    return RequestOutput(d["tokens"], ttft, e2e, [e2e], margins,
                          _finished_by(d.get("stop_type")), t.get("draft_n", 0) if spec else None,
                          t.get("draft_n_accepted", 0) if spec else None)
 
@@ -152,22 +160,39 @@ PROTOCOLS: dict[str, Callable[..., Awaitable[RequestOutput]]] = {
 }
 
 
-def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tokens: int, timeout_s: float,
-               engine: str, log_tail: Callable[[], str] = lambda: "", **fields) -> tuple[list[RequestOutput], float]:
-    """A batch's requests sent at once (concurrency = batch size), results in order, and the
-    batch's wall time. A request that got no answer within timeout_s is an EngineTimeout, any other
-    HTTP failure a BackendError, each with the server log's tail."""
+def serve_load(protocol: str, url: str, prompts, sampling: Sampling, max_new_tokens: int, plan: LoadPlan,
+               timeout_s: float, engine: str, log_tail: Callable[[], str] = lambda: "",
+               **fields) -> tuple[list[RequestOutput], float]:
+    """The prompts sent as the plan submits them: a closed loop of plan.concurrency requests in
+    flight (the next submitted as one is answered, in order), or each at its arrival offset
+    (plan.arrivals_s; the server queues what it cannot run yet). Each request's latencies count
+    from its own submission (RequestOutput.submitted_s, seconds since the run began). Returns the
+    outputs in prompt order and the run's wall time (its start to the last answer). Bounded: one
+    request per prompt, each within timeout_s. A request that got no answer in time is an
+    EngineTimeout, any other failure a BackendError, each with the server log's tail."""
     import httpx
 
     request = PROTOCOLS[protocol]
+    n = len(prompts)
+    width = plan.concurrency if plan.kind == "concurrency" else n
 
     async def run():
-        limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+        limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
         async with httpx.AsyncClient(limits=limits) as client:
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(request(client, Request(url, p, sampling, max_new_tokens, t0, timeout_s,
-                                                                  **fields)) for p in prompts))
-            return list(outs), time.perf_counter() - t0
+            start = time.perf_counter()
+            gate = asyncio.Semaphore(width)  # FIFO: in a closed loop requests go in prompt order
+
+            async def one(i: int) -> RequestOutput:
+                if plan.arrivals_s is not None:
+                    await asyncio.sleep(max(0.0, start + plan.arrivals_s[i] - time.perf_counter()))
+                async with gate:
+                    t0 = time.perf_counter()
+                    out = await request(client, Request(url, prompts[i], sampling, max_new_tokens, t0, timeout_s, **fields))
+                out.submitted_s = t0 - start
+                return out
+
+            outs = await asyncio.gather(*(one(i) for i in range(n)))
+            return list(outs), time.perf_counter() - start
 
     try:
         return asyncio.run(run())
@@ -176,6 +201,14 @@ def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tok
                             f"backend.request_timeout_s if the engine is only slow. Its log ends with:\n{log_tail()}") from e
     except httpx.HTTPError as e:
         raise BackendError(f"{engine} request failed: {type(e).__name__}: {e}; its log ends with:\n{log_tail()}") from e
+
+
+def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tokens: int, timeout_s: float,
+               engine: str, log_tail: Callable[[], str] = lambda: "", **fields) -> tuple[list[RequestOutput], float]:
+    """A static batch: every request sent at once (concurrency = batch size)."""
+    return serve_load(protocol, url, prompts, sampling, max_new_tokens,
+                      LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts)), timeout_s, engine,
+                      log_tail, **fields)
 
 
 # --- one Prometheus counter reader ---------------------------------------------------------------

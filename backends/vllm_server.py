@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.backend import BackendError, BatchOutput, Sampling
+from bench.backend import BackendError, BatchOutput, LoadPlan, Sampling
 
 from .processes import ServerProcess, cli_flags
-from .serving import VLLM_COUNTERS, read_counters, send_batch
+from .serving import VLLM_COUNTERS, read_counters, serve_load
 from .vllm import VLLMBackend, _delta, plugin_env
 
 def spec_counters_from_metrics(text: str) -> dict:
@@ -52,6 +52,7 @@ class VLLMServer(ServerProcess):
 class VLLMServerBackend(VLLMBackend):
     name = "vllm_server"
     ttft_source, emit_granularity = "client", "chunk"  # streamed /v1/completions, stamped per chunk
+    load_kinds = ("concurrency", "rate")  # vLLM's scheduler batches continuously
 
     def _start(self, kw: dict, log: Path) -> VLLMServer:
         return VLLMServer(self.python, kw, log, self.cfg.startup_timeout_s)
@@ -63,12 +64,16 @@ class VLLMServerBackend(VLLMBackend):
         return self._engine(False, 1).post("/detokenize", {"tokens": list(ids)})["prompt"]
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        return self.serve(prompts, sampling, max_new_tokens, speculative,
+                          LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts)))
+
+    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
         spec = speculative and self.spec is not None
-        s = self._engine(spec, len(prompts))
+        s = self._engine(spec, plan.max_rows)  # max_num_seqs must hold the rows the load runs at once
         s.new_steps()
         before = s.counters() if spec else {}
-        reqs, wall = send_batch("openai_stream", s.url, prompts, sampling, max_new_tokens, self.cfg.request_timeout_s,
-                                "vLLM's server", s.log_tail, model=s.model)
+        reqs, wall = serve_load("openai_stream", s.url, prompts, sampling, max_new_tokens, plan,
+                                self.cfg.request_timeout_s, "vLLM's server", s.log_tail, model=s.model)
         if not spec:
             return BatchOutput(reqs, wall, None, steps=self._take_steps(s))
         after = s.counters()

@@ -7,6 +7,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from .load import check as load_check
 from .methods import DRAFTER_KINDS
 
 
@@ -36,6 +37,8 @@ class SweepConfig:
     model: ModelConfig = MISSING
     method: Any = MISSING
     workload: Any = MISSING
+    load: Any = MISSING  # conf/load: static (batches), concurrency or rate (bench/load.py)
+    slo: Any = None  # {ttft_ms, tpot_ms}: the service levels goodput counts against (null: no limit)
     batch_size: int = 1
     temperature: float = 0.0
     top_p: float = 1.0
@@ -91,7 +94,17 @@ def validate(cfg) -> None:
     for key in ("max_new_tokens", "num_prompts", "repeats"):
         if cfg[key] < 1:
             problems.append(f"{key}={cfg[key]}: use 1 or more")
-    if cfg.num_prompts >= 1 and cfg.batch_size > cfg.num_prompts:
+    load_cfg = cfg.get("load") or {"kind": "static"}
+    problems += load_check(dict(load_cfg))
+    static = load_cfg.get("kind") == "static"
+    if not static and cfg.baseline != "paired":
+        problems.append(f"baseline={cfg.baseline} with load={load_cfg.get('kind')}: a load point is measured paired "
+                        "(SD on and off on the same arrivals, interleaved); use baseline=paired")
+    for key in ("ttft_ms", "tpot_ms"):
+        v = (cfg.get("slo") or {}).get(key)
+        if v is not None and not (isinstance(v, (int, float)) and v > 0):
+            problems.append(f"slo.{key}={v!r}: use a positive number of milliseconds or null (no limit)")
+    if static and cfg.num_prompts >= 1 and cfg.batch_size > cfg.num_prompts:
         problems.append(f"batch_size={cfg.batch_size} with num_prompts={cfg.num_prompts}: a batch can hold at most "
                         f"the {cfg.num_prompts} prompts there are; use batch_size <= num_prompts or more prompts")
     if cfg.get("job_timeout_s") is not None and cfg.job_timeout_s <= 0:

@@ -44,6 +44,9 @@ def recommend(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame(columns=["backend", "workload", "batch_size", "temperature", "choice", "reason", "notes"])
     d = df[(df.status == "ok") & (df.method != "autoregressive")].copy()
+    for col in ("speedup", "speedup_ci_low", "speedup_ci_high"):  # no interval (one pair) is null in summary.json
+        if col in d.columns:
+            d[col] = pd.to_numeric(d[col], errors="coerce")
     if "backend" not in d.columns:
         d["backend"] = "-"
     rows = []

@@ -1,6 +1,8 @@
 """`specsweep-report RESULTS_DIR`: PNG plots and a markdown summary of a sweep.
 
-Plots: speedup vs batch size per method and workload (95% intervals); per-position acceptance;
+Plots: under load, TPOT speedup against the load level and p50 TPOT against throughput (SD on
+and off), with the crossover in the summary; speedup vs batch size per method and workload (95%
+intervals, static batches); per-position acceptance;
 stacked draft/verify/other share of a cycle; predicted vs measured speedup; acceptance vs
 temperature when temperature was swept.
 """
@@ -23,7 +25,8 @@ from .results import find_sweep_dirs, load_summaries  # noqa: E402
 SUMMARY_COLUMNS = ["method", "workload", "batch_size", "temperature", "num_speculative_tokens", "status", "speedup",
                    "speedup_ci_low", "speedup_ci_high", "predicted_speedup", "acceptance_rate", "mean_acceptance_length",
                    "tokens_per_forward", "verify_fraction", "draft_fraction", "verify_cost_ratio", "draft_cost_ratio",
-                   "tokens_per_s", "baseline_tokens_per_s", "baseline_roofline_share", "baseline_drift", "lossless"]
+                   "tokens_per_s", "baseline_tokens_per_s", "baseline_roofline_share", "baseline_drift", "lossless",
+                   "load_label"]
 SLOW_BASELINE = 0.5  # a baseline below half its roofline: its speedups may come from the slow baseline
 DRIFT_LIMIT = 0.10  # a shared baseline whose first batch, measured again, moved more than this
 
@@ -66,9 +69,14 @@ def _ok(df, *required):
     return d.dropna(subset=list(required)) if len(d) and required else d
 
 
+def _loaded(df) -> pd.Series:
+    """Rows of load points (load=concurrency|rate), not static batches."""
+    return df.load_kind.fillna("static") != "static" if "load_kind" in df.columns else pd.Series(False, index=df.index)
+
+
 def plot_speedup_vs_batch(df, out: Path) -> Path | None:
     d = _ok(df)
-    d = d[d.method != "autoregressive"] if len(d) else d
+    d = d[(d.method != "autoregressive") & ~_loaded(d)] if len(d) else d
     if d.empty:
         return None
     workloads = sorted(d.workload.unique())
@@ -153,7 +161,87 @@ def plot_acceptance_vs_temperature(df, out: Path) -> Path | None:
     return save(fig, out, "acceptance_vs_temperature")
 
 
-PLOTS = (plot_speedup_vs_batch, plot_per_position, plot_time_split, plot_predicted_vs_measured, plot_acceptance_vs_temperature)
+def _load_rows(df) -> pd.DataFrame:
+    d = _ok(df)
+    if d.empty:
+        return d
+    d = d[_loaded(d) & (d.method != "autoregressive")].copy()
+    for col in ("load_level", "tpot_speedup", "tpot_speedup_low", "tpot_speedup_high", "tpot_p50", "baseline_tpot_p50",
+                "output_tokens_per_s", "baseline_output_tokens_per_s", "goodput_ratio"):
+        if col in d.columns:
+            d[col] = pd.to_numeric(d[col], errors="coerce")
+    return d
+
+
+def plot_speedup_vs_load(df, out: Path) -> Path | None:
+    """TPOT speedup (baseline p50 TPOT / spec p50 TPOT) against the load level, one curve per
+    engine and method, one panel per load kind and workload; the bars span the repeats' ratios."""
+    d = _load_rows(df)
+    if d.empty:
+        return None
+    panels = sorted({(k, w) for k, w in zip(d.load_kind, d.workload)})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False, sharey=True)
+    for ax, (kind, w) in zip(axes[0], panels):
+        for (b, m), g in d[(d.load_kind == kind) & (d.workload == w)].groupby(["backend", "method"]):
+            g = g.sort_values("load_level")
+            err = [g.tpot_speedup - g.tpot_speedup_low, g.tpot_speedup_high - g.tpot_speedup]
+            ax.errorbar(g.load_level, g.tpot_speedup, yerr=err, marker="o", capsize=3, label=f"{b}/{m}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set(title=f"{w}, load={kind}", xlabel="requests in flight" if kind == "concurrency" else "requests/s")
+    axes[0][0].set_ylabel("p50 TPOT, SD off / SD on")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Speculation under load: where it stops paying (TPOT speedup > 1)")
+    return save(fig, out, "speedup_vs_load")
+
+
+def plot_latency_vs_throughput(df, out: Path) -> Path | None:
+    """p50 TPOT against output tokens/s at each load point, SD on (solid) and SD off (dashed)."""
+    d = _load_rows(df)
+    if d.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for (b, m, kind, w), g in d.groupby(["backend", "method", "load_kind", "workload"]):
+        g = g.sort_values("load_level")
+        line = ax.plot(g.output_tokens_per_s, g.tpot_p50 * 1e3, marker="o", label=f"{b}/{m} {w} ({kind}) SD on")[0]
+        ax.plot(g.baseline_output_tokens_per_s, g.baseline_tpot_p50 * 1e3, marker="x", ls="--", color=line.get_color(),
+                label=f"{b}/{m} {w} ({kind}) SD off")
+    ax.set(xlabel="output tokens/s (whole load run)", ylabel="p50 TPOT (ms)", title="Latency against throughput")
+    ax.legend(fontsize=6)
+    return save(fig, out, "latency_vs_throughput")
+
+
+def load_markdown(df: pd.DataFrame) -> list[str]:
+    """The load points' table and the crossover: per engine, method and workload the highest
+    level at which SD still improved p50 TPOT."""
+    from .load import crossover
+
+    d = _load_rows(df)
+    if d.empty:
+        return []
+    cols = ["backend", "method", "workload", "load_label", "tpot_speedup", "tpot_speedup_low", "tpot_speedup_high",
+            "speedup", "goodput_rps", "baseline_goodput_rps", "tpot_p50", "baseline_tpot_p50", "ttft_p50",
+            "baseline_ttft_p50", "mean_running_batch", "mean_in_flight", "acceptance_rate"]
+    lines = ["## Under load", "",
+             "Each load point served the same requests with the same arrivals with SD on and off, interleaved. "
+             "tpot_speedup = baseline p50 TPOT / SD p50 TPOT (the bracket: the repeats' own ratios); speedup = output "
+             "throughput ratio; goodput = requests/s within the SLOs (docs/metrics.md).", "",
+             markdown_table(d.sort_values(["backend", "method", "workload", "load_kind", "load_level"]), cols), "",
+             "### Where speculation stops paying", ""]
+    for _, r in crossover(d).iterrows():
+        unit = "concurrency" if r.load_kind == "concurrency" else "rate"
+        if r.pays_up_to != r.pays_up_to:
+            verdict = f"off at every {unit} measured ({r.levels})"
+        elif r.stops_paying_at != r.stops_paying_at:
+            verdict = f"on: pays at every {unit} measured, up to {r.pays_up_to:g}"
+        else:
+            verdict = f"on up to {unit} {r.pays_up_to:g}, off from {r.stops_paying_at:g}"
+        lines.append(f"- {r.backend}/{r.method} on {r.workload}: {verdict}"
+                     + ("" if r.clean else " (the curve crosses 1 more than once: noisy, rerun with more repeats)")
+                     + f"; TPOT speedups {r.tpot_speedup} at {r.levels}")
+    return lines + [""]
+
+
+PLOTS = (plot_speedup_vs_load, plot_latency_vs_throughput, plot_speedup_vs_batch, plot_per_position, plot_time_split, plot_predicted_vs_measured, plot_acceptance_vs_temperature)
 
 
 def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
@@ -174,6 +262,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
              "requests and batches (paired: batch by batch, interleaved; 95% cluster-bootstrap interval over the "
              "pairs). Every metric's definition, and which engine field it comes from: docs/metrics.md.", "",
              markdown_table(d, SUMMARY_COLUMNS), ""]
+    lines += load_markdown(df)
     lines += flags_markdown(df)
     from .recommend import markdown as rec_markdown, recommend
 

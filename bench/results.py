@@ -45,8 +45,11 @@ class JobKey:
     @classmethod
     def from_config(cls, c: dict) -> "JobKey":
         groups = ("backend", "model", "method", "workload")
+        hashed = {g: c[g] for g in groups}
+        if (c.get("load") or {}).get("kind", "static") != "static":  # static jobs keep the keys they had
+            hashed["load"] = c["load"]
         return cls(*(c[g]["name"] for g in groups), *(c[f.name] for f in fields(cls)[4:-1]),
-                   config_hash=short_hash({g: c[g] for g in groups}))
+                   config_hash=short_hash(hashed))
 
     @classmethod
     def from_row(cls, row) -> "JobKey":
@@ -139,7 +142,9 @@ def _num(x) -> str:
 def job_name(cfg: dict) -> str:
     """A stable, readable folder name for a job, plus a hash of everything that defines it."""
     m = cfg["method"]
-    parts = [cfg["backend"]["name"], cfg["model"]["name"], m["name"], cfg["workload"]["name"], f"b{cfg['batch_size']}",
+    load = cfg.get("load") or {"kind": "static"}
+    size = f"b{cfg['batch_size']}" if load["kind"] == "static" else ("c" if load["kind"] == "concurrency" else "r") + _num(load["level"])
+    parts = [cfg["backend"]["name"], cfg["model"]["name"], m["name"], cfg["workload"]["name"], size,
              f"t{_num(cfg['temperature'])}"]
     if m.get("speculative", True):
         parts.append(f"k{cfg['num_speculative_tokens']}")
@@ -148,7 +153,10 @@ def job_name(cfg: dict) -> str:
 
 def job_identity(cfg: dict) -> dict:
     """What defines a job's measurement (not where it is written or whether it is forced)."""
-    drop = {"results_dir", "sweep_name", "force", "report", "job_timeout_s"}
+    # slo changes no measurement, only which requests goodput counts (requests.parquet keeps them all)
+    drop = {"results_dir", "sweep_name", "force", "report", "job_timeout_s", "slo"}
+    if (cfg.get("load") or {}).get("kind", "static") == "static":
+        drop.add("load")  # static jobs keep the identity (and folder names) they had
     return {k: v for k, v in cfg.items() if k not in drop}
 
 

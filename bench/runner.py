@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 
-from . import environment, metrics
+from . import environment, load, metrics
 from .backend import Backend, BackendError, BatchOutput, EngineTimeout, Sampling, instantiate_backend
 from .config import ConfigError, validate
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
@@ -30,8 +30,10 @@ BASELINE_FILES = ("baseline.json", "requests.parquet", "cycles.parquet", "steps.
 PROCESS_START = time.time()
 
 def _key_row(c: dict) -> dict:
-    """The row's identity columns (JobKey), and how it was measured."""
-    return {**asdict(JobKey.from_config(c)), "repeats": c["repeats"], "baseline_mode": c["baseline"]}
+    """The row's identity columns (JobKey), and how it was measured (its load point too)."""
+    ld = c.get("load") or {"kind": "static"}
+    return {**asdict(JobKey.from_config(c)), "repeats": c["repeats"], "baseline_mode": c["baseline"],
+            "load_kind": ld["kind"], "load_level": ld.get("level"), "load_label": load.level_label(ld)}
 
 
 def check_backend_supports(c: dict) -> None:
@@ -40,6 +42,11 @@ def check_backend_supports(c: dict) -> None:
     if supported and c["method"]["name"] not in supported:
         raise ConfigError(f"method {c['method']['name']!r} is not supported by backend {c['backend']['name']!r}; "
                           f"it supports {', '.join(supported)}")
+    kind = (c.get("load") or {}).get("kind", "static")
+    if kind != "static" and kind not in getattr(cls, "load_kinds", ()):
+        raise ConfigError(f"load={kind} is not served by backend {c['backend']['name']!r} (it runs static batches "
+                          f"only{'; it serves ' + ', '.join(cls.load_kinds) if cls.load_kinds else ''}); use load=static or "
+                          "another backend")
 
 
 def check_results_dir(sweep: Path, job: str) -> None:
@@ -60,7 +67,7 @@ def check_job(cfg: DictConfig) -> None:
     this for every job of a multirun before the first runs): a ValueError (or FileNotFoundError)
     saying what is wrong and what is valid."""
     validate(cfg)
-    c = OmegaConf.to_container(cfg, resolve=True)
+    c = load.normalize(OmegaConf.to_container(cfg, resolve=True))
     check_backend_supports(c)
     check_results_dir(Path(c["results_dir"]).expanduser() / c["sweep_name"], job_name(c))
     settings = {k: v for k, v in c["backend"].items() if k not in ("_target_", "name")}
@@ -108,7 +115,8 @@ class Measurement:
                     "prompt_token_ids": prompt_ids[i], "output_token_ids": q.output_token_ids,
                     "output_text": backend.detokenize(q.output_token_ids), "n_prompt": len(prompt_ids[i]), "n_output": n,
                     "ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / (n - 1) if n > 1 else math.nan,
-                    "itl_s": itl, "finished_by": q.finished_by, "top2_margins": q.top2_margins})
+                    "itl_s": itl, "finished_by": q.finished_by, "top2_margins": q.top2_margins,
+                    "submitted_s": q.submitted_s})
             for cy in out.cycles or []:
                 cyc_rows.append({"run": self.kind, "repeat": rep, "batch": bi, "request_id": prompts[idx[cy["row"]]].id, **cy})
         return pd.DataFrame(req_rows), pd.DataFrame(cyc_rows)
@@ -139,10 +147,15 @@ def latency_note(contract: dict, req: pd.DataFrame) -> str | None:
 
 
 def _measure_batch(backend, m: Measurement, ids, bi: int, idx: list[int], c, repeat: int):
-    """One batch of one arm. Its sampling seed depends on (repeat, batch) alone, so the baseline
-    and the method see the same requests with the same seeds: the two halves of a pair."""
+    """One batch of one arm (under load: one whole load run, every request as the plan submits
+    it). Its sampling seed depends on (repeat, batch) alone, so the baseline and the method see
+    the same requests with the same seeds (and the same arrivals): the two halves of a pair."""
     sp = Sampling(c["temperature"], c["top_p"], c["top_k"], seed=c["seed"] * 100003 + repeat * 1009 + bi)
-    out = backend.generate([ids[i] for i in idx], sp, c["max_new_tokens"], speculative=m.kind == "spec")
+    plan = load.plan(c["load"])
+    if plan is None:
+        out = backend.generate([ids[i] for i in idx], sp, c["max_new_tokens"], speculative=m.kind == "spec")
+    else:
+        out = backend.serve([ids[i] for i in idx], sp, c["max_new_tokens"], m.kind == "spec", plan)
     m.runs.append((repeat, bi, idx, out))
 
 
@@ -157,7 +170,7 @@ def _measure_repeat(backend, m: Measurement, ids, batches, c, repeat, progress):
 def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     """Run (or skip, if complete) one job; always returns its summary row and writes it."""
     validate(cfg)
-    c = OmegaConf.to_container(cfg, resolve=True)
+    c = load.normalize(OmegaConf.to_container(cfg, resolve=True))
     check_backend_supports(c)
     root = Path(c["results_dir"]).resolve() / c["sweep_name"]
     check_results_dir(root, job_name(c))
@@ -267,14 +280,20 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
             raise WorkloadError(f"prompt {p.id} tokenizes to nothing")
     bs = c["batch_size"]
     batches = [list(range(i, min(i + bs, len(ids)))) for i in range(0, len(ids), bs)]
+    plan = load.plan(c["load"])
+    if plan is not None:  # a load run serves every request: one "batch", the pairing unit
+        batches = [list(range(len(ids)))]
     speculative = c["method"].get("speculative", True)
     reps = c["repeats"]
     n_steps = reps * len(batches) * (2 if speculative else 1)
     progress = progress_factory(jdir.name, n_steps) if progress_factory else None
     if c["warmup"]:
         warm = dict(c, max_new_tokens=min(4, c["max_new_tokens"]))
+        if plan is not None:  # every row the load will use, all at once (servers start with their slots)
+            warm["load"] = {"kind": "concurrency", "level": plan.max_rows, "num_requests": plan.max_rows}
+        first = batches[0][:plan.max_rows] if plan is not None else batches[0]
         for kind in (("baseline", "spec") if speculative else ("baseline",)):
-            _measure_batch(backend, Measurement(kind), ids, 0, batches[0], warm, -1)
+            _measure_batch(backend, Measurement(kind), ids, 0, first, warm, -1)
 
     base, spec = Measurement("baseline"), Measurement("spec")
     base_steps = None  # the baseline's timed steps: read here from a reused shared baseline, else from `base`
@@ -368,6 +387,40 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                          _throughputs(spec_batches) if speculative else base_tp, speculative,
                          sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps,
                          pairs=_pairs(base_batches, spec_batches) if speculative else None))
+    if plan is not None:
+        out.update(load_summary(c, base, spec if speculative else base, base_req, spec_req if speculative else base_req,
+                                base_cyc, spec_cyc if speculative else base_cyc))
+    return out
+
+
+def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, base_cyc, spec_cyc) -> dict:
+    """A load point's serving metrics for both arms (docs/metrics.md, "Under load"): rates per run
+    (medians over repeats), latency percentiles over every request, the mean running batch, and
+    the SD-on-against-off ratios: tpot_speedup = baseline p50 TPOT / spec p50 TPOT, its range
+    over the repeats' own ratios, and goodput's."""
+    slo = c.get("slo") or {}
+    out = {}
+    per_arm = {}
+    for arm, m, req, cyc in (("", spec, spec_req, spec_cyc), ("baseline_", base, base_req, base_cyc)):
+        runs = [load.run_metrics(req[req.repeat == r], o.wall_s, slo.get("ttft_ms"), slo.get("tpot_ms"))
+                for r, _, _, o in m.runs]
+        for key in ("request_throughput", "output_tokens_per_s", "goodput_rps", "slo_met_share"):
+            out[arm + key] = float(np.median([x[key] for x in runs])) if runs else math.nan
+        for name in ("ttft", "tpot", "e2e"):
+            out.update(metrics.percentiles(req[f"{name}_s"], (50, 90, 99), prefix=f"{arm}{name}_"))
+        out.update(metrics.percentiles([x for l in req.itl_s for x in l], (50, 90, 99), prefix=f"{arm}itl_"))
+        out[arm + "mean_in_flight"] = float(np.median([load.mean_in_flight(req[req.repeat == r], o.wall_s)
+                                                       for r, _, _, o in m.runs])) if m.runs else math.nan
+        # rows a verify served, averaged over the run's verifies (from the trace, where there is one)
+        out[arm + "mean_running_batch"] = (float(metrics.batched_cycles(cyc).rows.mean()) if len(cyc) else math.nan)
+        per_arm[arm] = req
+    s, b = per_arm[""], per_arm["baseline_"]
+    ratios = [float(b[b.repeat == r].tpot_s.median() / s[s.repeat == r].tpot_s.median()) for r in sorted(set(s.repeat))]
+    out["tpot_speedup"] = float(b.tpot_s.median() / s.tpot_s.median()) if len(s) and len(b) else math.nan
+    out["tpot_speedup_low"], out["tpot_speedup_high"] = (min(ratios), max(ratios)) if ratios else (math.nan, math.nan)
+    out["goodput_ratio"] = (out["goodput_rps"] / out["baseline_goodput_rps"] if out["baseline_goodput_rps"] > 0
+                            else math.nan)
+    out["slo_ttft_ms"], out["slo_tpot_ms"] = slo.get("ttft_ms"), slo.get("tpot_ms")
     return out
 
 

@@ -1,0 +1,129 @@
+"""Serving load: the `load` config group (static, concurrency, rate) as a LoadPlan, its checks,
+and the metrics of a load run (throughput, goodput, latency percentiles, the crossover).
+
+static       batch_size requests submitted together (Backend.generate); the default
+concurrency  a closed loop: `level` requests in flight at all times, num_requests in all
+rate         an open loop: arrivals at `level` requests/s, gamma inter-arrival times with shape
+             `burstiness` and mean 1/level (burstiness 1: Poisson), as vLLM's
+             benchmarks/serve.py defines them; drawn from `seed` alone, so both arms of a pair
+             (SD on, SD off) and every repeat see the same arrival times
+
+Goodput (DistServe's definition, as vLLM's bench uses it): completed requests per second that
+met every SLO given (slo.ttft_ms on time to first token, slo.tpot_ms on time per output token).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from .backend import LoadPlan
+
+LOAD_KINDS = ("static", "concurrency", "rate")
+LOAD_KEYS = {"static": ("kind",), "concurrency": ("kind", "level", "num_requests"),
+             "rate": ("kind", "level", "burstiness", "num_requests", "max_rows", "seed")}
+
+
+def check(load: dict) -> list[str]:
+    """Problems with a load config, each naming the value and what is valid."""
+    kind = load.get("kind")
+    if kind not in LOAD_KINDS:
+        return [f"load.kind={kind!r}: use one of {', '.join(LOAD_KINDS)} (load=static|concurrency|rate)"]
+    problems = []
+    unknown = sorted(set(load) - set(LOAD_KEYS[kind]))
+    if unknown:
+        problems.append(f"load.{unknown[0]} is not a setting of load={kind}; valid: {', '.join(LOAD_KEYS[kind])}")
+    if kind == "concurrency" and not (isinstance(load.get("level"), int) and load["level"] >= 1):
+        problems.append(f"load.level={load.get('level')!r}: a concurrency is a whole number of requests, 1 or more")
+    if kind == "rate":
+        level = load.get("level")
+        if not (isinstance(level, (int, float)) and math.isfinite(level) and level > 0):
+            problems.append(f"load.level={level!r}: a rate is requests per second, a positive number")
+        b = load.get("burstiness")
+        if not (isinstance(b, (int, float)) and b > 0):
+            problems.append(f"load.burstiness={b!r}: use a positive gamma shape (1 = Poisson arrivals)")
+        if not (isinstance(load.get("max_rows"), int) and load["max_rows"] >= 1):
+            problems.append(f"load.max_rows={load.get('max_rows')!r}: use 1 or more rows (the engine's slots)")
+    if kind != "static" and not (isinstance(load.get("num_requests"), int) and load["num_requests"] >= 1):
+        problems.append(f"load.num_requests={load.get('num_requests')!r}: use 1 or more requests per load run")
+    return problems
+
+
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """n arrival offsets (seconds since the run began; the first at 0): gamma inter-arrival
+    times with shape burstiness and scale 1/(rate * burstiness), so their mean is 1/rate."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n - 1) if n > 1 else np.array([])
+    return [0.0] + np.cumsum(gaps).tolist()
+
+
+def plan(load: dict) -> LoadPlan | None:
+    """The LoadPlan of a load config; None for static batches."""
+    kind = load["kind"]
+    if kind == "static":
+        return None
+    if kind == "concurrency":
+        return LoadPlan("concurrency", max_rows=int(load["level"]), concurrency=int(load["level"]))
+    return LoadPlan("rate", max_rows=int(load["max_rows"]),
+                    arrivals_s=arrival_times(int(load["num_requests"]), float(load["level"]), float(load["burstiness"]),
+                                             int(load["seed"])))
+
+
+def normalize(c: dict) -> dict:
+    """A job's config as it is measured: under load, batch_size is the rows the engine is given
+    (the plan's max_rows) and num_prompts the requests of a run, so that jobs differing only in a
+    batch_size that a load does not use are one job (the second finds it complete)."""
+    load = c.get("load") or {"kind": "static"}
+    c["load"] = load
+    if load["kind"] != "static":
+        c["batch_size"] = plan(load).max_rows
+        c["num_prompts"] = int(load["num_requests"])
+    return c
+
+
+def level_label(load: dict) -> str:
+    """How a load point reads in tables and job names: 'c4', 'r1.5', 'static'."""
+    kind = load["kind"]
+    if kind == "static":
+        return "static"
+    return ("c" if kind == "concurrency" else "r") + f"{load['level']:g}"
+
+
+def run_metrics(req: pd.DataFrame, wall_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
+    """One load run's rates: requests/s, output tokens/s, goodput (requests/s within every SLO
+    given; a request whose TTFT or TPOT is unknown does not count as within it)."""
+    n = len(req)
+    ok = pd.Series(True, index=req.index)
+    if slo_ttft_ms is not None:
+        ok &= req.ttft_s.fillna(math.inf) * 1e3 <= slo_ttft_ms
+    if slo_tpot_ms is not None:
+        # a one-token answer has no TPOT: it cannot miss that SLO
+        ok &= (req.tpot_s * 1e3 <= slo_tpot_ms) | (req.n_output <= 1)
+    return {"request_throughput": n / wall_s if wall_s > 0 else math.nan,
+            "output_tokens_per_s": float(req.n_output.sum()) / wall_s if wall_s > 0 else math.nan,
+            "goodput_rps": float(ok.sum()) / wall_s if wall_s > 0 else math.nan, "slo_met_share": float(ok.mean()) if n else math.nan}
+
+
+def mean_in_flight(req: pd.DataFrame, wall_s: float) -> float:
+    """Requests in flight on average over the run, as the client saw them (Little's law: the sum
+    of request latencies over the run's length)."""
+    return float(req.e2e_s.sum()) / wall_s if wall_s > 0 and len(req) else math.nan
+
+
+def crossover(rows: pd.DataFrame, metric: str = "tpot_speedup") -> pd.DataFrame:
+    """Per backend, method, workload and load kind: the highest load level at which SD still
+    paid (metric > 1), the lowest at which it did not, and whether every level below that paid
+    too (a clean crossover) or the curve crossed 1 more than once."""
+    out = []
+    keys = [k for k in ("backend", "method", "workload", "load_kind") if k in rows.columns]
+    for key, g in rows[rows.load_kind != "static"].groupby(keys):
+        g = g.sort_values("load_level")
+        paid = g[metric] > 1
+        last_paid = g.load_level[paid].max() if paid.any() else math.nan
+        first_not = g.load_level[~paid].min() if (~paid).any() else math.nan
+        clean = not paid.any() or (~paid).sum() == 0 or bool(g.load_level[paid].max() < g.load_level[~paid].min())
+        out.append({**dict(zip(keys, key if isinstance(key, tuple) else (key,))), "pays_up_to": last_paid,
+                    "stops_paying_at": first_not, "levels": g.load_level.tolist(), metric: g[metric].round(3).tolist(),
+                    "clean": clean})
+    return pd.DataFrame(out)

