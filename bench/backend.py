@@ -106,6 +106,11 @@ def reject_unknown(settings: dict, valid, backend: str) -> None:
                          + (f" (nor {', '.join(unknown[1:])})" if unknown[1:] else "") + f"; valid: {', '.join(valid)}")
 
 
+class SettingError(ValueError):
+    """A setting the engine cannot honour, found only when the job runs (a load level above the
+    slots of a server someone else started): the job's configuration error (error_kind=config)."""
+
+
 class BackendError(RuntimeError):
     """An engine failed on a request: the job is recorded with status=error."""
 

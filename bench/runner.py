@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 
 from . import environment, load, metrics
-from .backend import Backend, BackendError, BatchOutput, EngineTimeout, Sampling, instantiate_backend
+from .backend import Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, instantiate_backend
 from .config import ConfigError, validate
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
                       read_json, short_hash, write_manifest,
@@ -258,7 +258,7 @@ def error_kind(e: Exception, phase: str) -> str:
     """config: a bad value, caught while the job is set up (before anything is measured); engine:
     the engine failed (BackendError: a crash, a refused request, a timeout); internal: anything
     else, a bug in measuring, never to be mistaken for a user's mistake."""
-    if isinstance(e, (ConfigError, WorkloadError)):
+    if isinstance(e, (ConfigError, WorkloadError, SettingError)):
         return "config"
     if isinstance(e, BackendError):
         return "engine"

@@ -1,0 +1,181 @@
+"""Running deployments (`backend=openai_endpoint`): servers someone else started, benchmarked as
+they are. backend.url serves the model with speculation, backend.baseline_url the same model
+without; the method config only names what the deployment at url runs. It never starts or stops
+anything, and sends requests only to the two URLs given.
+
+What each server is, is read from it, not assumed: a llama-server answers GET /props (its slots
+and model), and is sent /completion (backends/serving.py's llama_completion); any other server
+is sent streamed /v1/completions with return_token_ids (vLLM's OpenAI-compatible server), its
+model name from GET /v1/models. Prompts are tokenized by the baseline server's own /tokenize,
+and both servers must tokenize a probe text alike (the same model). Acceptance comes from
+/metrics counter deltas where the page has vLLM's or llama-server's speculative counters (only
+valid when nothing else sends the server requests meanwhile), else from llama-server's
+per-request draft counts, else it is unavailable. TTFT is the client's: streamed, the first
+chunk; not streamed, e2e less the server's own generation time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from bench.backend import Backend, BackendError, BatchOutput, LoadPlan, Sampling, SettingError, reject_unknown
+
+from .serving import LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, read_counters, serve_load, spec_counters
+
+PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+@dataclass
+class EndpointConfig:
+    url: str | None = None  # the deployment with speculation, e.g. http://gpu-box:8000
+    baseline_url: str | None = None  # the same model without speculation
+    model: str | None = None  # the served model's name (OpenAI servers); null = the first of GET /v1/models
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        for key in ("url", "baseline_url"):
+            v = getattr(self, key)
+            p = urlparse(v or "")
+            if p.scheme not in ("http", "https") or not p.netloc:
+                raise ValueError(f"backend.{key}={v!r} is not a server URL; pass http(s)://HOST:PORT of "
+                                 f"{'the deployment with speculation' if key == 'url' else 'the same model without speculation'}")
+            setattr(self, key, v.rstrip("/"))
+        if self.url == self.baseline_url:
+            raise ValueError(f"backend.url and backend.baseline_url are both {self.url}: the baseline must be the same "
+                             "model served without speculation, at its own URL")
+        for key in ("request_timeout_s", "connect_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use a positive number of seconds")
+
+
+class Endpoint:
+    """One running server as found: its protocol, model name, slots (llama-server) and counters."""
+
+    def __init__(self, url: str, cfg: EndpointConfig, role: str):
+        import httpx
+
+        self.url, self.role, self.timeout = url, role, cfg.request_timeout_s
+        try:
+            props = httpx.get(url + "/props", timeout=cfg.connect_timeout_s)
+            self.llama = props.status_code == 200 and "total_slots" in props.text
+            self.slots = props.json().get("total_slots") if self.llama else None
+            if self.llama:
+                self.model = None
+            else:
+                models = httpx.get(url + "/v1/models", timeout=cfg.connect_timeout_s)
+                if models.status_code != 200:
+                    raise ValueError(f"backend.{role}={url} answers neither llama-server's /props nor /v1/models "
+                                     f"({models.status_code}): not an OpenAI-compatible LLM server")
+                names = [m["id"] for m in models.json().get("data", [])]
+                if cfg.model and cfg.model not in names:
+                    raise ValueError(f"backend.model={cfg.model!r} is not served at {url}; it serves {', '.join(names)}")
+                self.model = cfg.model or names[0]
+        except httpx.HTTPError as e:
+            raise ValueError(f"backend.{role}={url}: no server answers there ({type(e).__name__}: {e}); start it, or "
+                             "fix the URL") from e
+        self.protocol = "llama_completion" if self.llama else "openai_stream"
+        self.counter_names = None
+        page = self.metrics_page()
+        for names in (VLLM_COUNTERS, LLAMA_SERVER_COUNTERS):
+            if page and names.drafts.split(":")[0] + ":" in page:
+                self.counter_names = names
+                break
+
+    def metrics_page(self) -> str | None:
+        import httpx
+
+        try:
+            r = httpx.get(self.url + "/metrics", timeout=30)
+        except httpx.HTTPError:
+            return None
+        return r.text if r.status_code == 200 else None
+
+    def counters(self) -> dict:
+        page = self.metrics_page() if self.counter_names else None
+        return read_counters(page, self.counter_names.names()) if page else {}
+
+    def post(self, path: str, body: dict) -> dict:
+        import httpx
+
+        try:
+            r = httpx.post(self.url + path, json=body, timeout=60)
+        except httpx.HTTPError as e:
+            raise BackendError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise BackendError(f"{self.url}{path} answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.llama:
+            return self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
+        return self.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": True})["tokens"]
+
+    def detokenize(self, ids) -> str:
+        got = self.post("/detokenize", {"tokens": list(ids), **({} if self.llama else {"model": self.model})})
+        return got["content"] if self.llama else got["prompt"]
+
+
+class OpenAIEndpointBackend(Backend):
+    name = "openai_endpoint"
+    ttft_source, emit_granularity = "client", "chunk"
+    load_kinds = ("concurrency", "rate")
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+        reject_unknown(settings, list(EndpointConfig.__dataclass_fields__), "openai_endpoint")
+        self.cfg = EndpointConfig(**settings)
+        self.method, self.k = dict(method), num_speculative_tokens
+        self.servers = {True: Endpoint(self.cfg.url, self.cfg, "url"),
+                        False: Endpoint(self.cfg.baseline_url, self.cfg, "baseline_url")}
+        a, b = (self.servers[s].tokenize(PROBE_TEXT) for s in (True, False))
+        if a != b:
+            raise ValueError(f"backend.url ({self.cfg.url}) and backend.baseline_url ({self.cfg.baseline_url}) tokenize "
+                             "the same text differently: they do not serve the same model, so one is no baseline for "
+                             "the other")
+
+    @classmethod
+    def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
+        reject_unknown(settings, list(EndpointConfig.__dataclass_fields__), "openai_endpoint")
+        EndpointConfig(**settings)  # the URLs' form; whether they answer is known when the job starts
+
+    def latency_contract(self) -> dict:
+        streamed = not self.servers[True].llama
+        return {"ttft_source": "client", "emit_granularity": "chunk" if streamed else "none"}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.servers[False].tokenize(text)
+
+    def detokenize(self, ids) -> str:
+        return self.servers[False].detokenize(ids)
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        return self.serve(prompts, sampling, max_new_tokens, speculative,
+                          LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts)))
+
+    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
+        spec = speculative and self.method.get("speculative", True)
+        e = self.servers[spec]
+        if e.slots is not None and plan.kind == "concurrency" and plan.max_rows > e.slots:
+            raise SettingError(f"{plan.max_rows} requests at once (load.level or batch_size) is more than the {e.slots} "
+                             f"slots of the llama-server at {e.url}: the rest would wait in its queue and the level "
+                             f"would not be what was asked; use at most {e.slots}, or start it with -np "
+                             f"{plan.max_rows}")
+        before = e.counters() if spec else {}
+        top2 = sampling.temperature == 0 and not spec and e.llama
+        reqs, wall = serve_load(e.protocol, e.url, prompts, sampling, max_new_tokens, plan, e.timeout,
+                                f"the server at {e.url}", k=self.k if spec else 0, model=e.model,
+                                extra={"n_probs": 2} if top2 else None, client_ttft=True)
+        sc = None
+        if spec and e.counter_names:
+            delta = counter_delta(before, e.counters())
+            sc = spec_counters(delta, e.counter_names, self.k)
+        return BatchOutput(reqs, wall, None, spec_counters=sc)
+
+    def describe(self) -> dict:
+        s, b = self.servers[True], self.servers[False]
+        return {"engine": f"running deployment ({'llama-server' if s.llama else 'OpenAI-compatible server'})",
+                "url": s.url, "baseline_url": b.url, "served_model": s.model, "protocol": s.protocol,
+                "slots": s.slots, "drafter": self.method.get("name") + " (as declared for the deployment)",
+                "acceptance_source": ("/metrics counter deltas" if s.counter_names else
+                                      "per-request draft counts" if s.llama else "unavailable: no speculative counters"),
+                "time_split": "unavailable: a running deployment reports no draft/verify times"}

