@@ -6,13 +6,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, reject_unknown
+from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, reject_unknown
 
 from ..cpu_probe import cpu_identity
 from . import kernels
 from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
+from .scheduler import serve
 from .loading import load_model
 from .model import linear
 from .sampling import SamplingParams
@@ -53,6 +54,7 @@ class NativeBackend(Backend):
     name = "native"
     supported_methods = METHODS
     ttft_source, emit_granularity = "client", "cycle"  # stamped in the engine's own loop, per cycle
+    load_kinds = ("concurrency", "rate")  # served by the continuous-batching scheduler (scheduler.serve)
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, dtype: str = "float32",
                  device: str = "cpu", threads: int | None = None, trace: bool = True, **unused):
@@ -173,14 +175,24 @@ class NativeBackend(Backend):
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+    def _run(self, run, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, **plan) -> BatchOutput:
+        """A static batch (engine.generate) or a load run (scheduler.serve), seeded and recorded
+        alike: speculative=False is the same engine with no drafter, the baseline, whose greedy
+        runs record the top-2 margins the lossless check reads."""
         sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
         gen = torch.Generator().manual_seed(sampling.seed)
         drafter = self.drafter if speculative else None
-        rows, cycles, wall = generate(self.model, prompts, max_new_tokens, sp, drafter=drafter, eos_ids=self.eos,
-                                      gen=gen, record_margins=not speculative and sp.greedy, trace=self.cfg.trace)
-        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by) for r in rows]
+        rows, cycles, wall = run(self.model, prompts, max_new_tokens, sp, drafter=drafter, eos_ids=self.eos, gen=gen,
+                                 record_margins=not speculative and sp.greedy, trace=self.cfg.trace, **plan)
+        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by,
+                              submitted_s=r.submitted_s) for r in rows]
         return BatchOutput(reqs, wall, cycles if self.cfg.trace else None)
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        return self._run(generate, prompts, sampling, max_new_tokens, speculative)
+
+    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
+        return self._run(serve, prompts, sampling, max_new_tokens, speculative, plan=plan)
 
     @torch.inference_mode()
     def draft_predictions(self, sequences):

@@ -5,6 +5,7 @@ ones (layer skip), which by design share it: the verify pass rewrites every slot
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,7 +34,40 @@ class Proposal:
     sources: list[str] | None = None  # per row, which drafter proposed (combined methods)
 
 
-class NgramDrafter:
+class Drafter(Protocol):
+    """What the draft/verify loop (engine.cycle) asks of a drafter. Rows are KV-cache slots: a
+    slot's state is set by prefill (which resets whatever a previous occupant left) and dropped
+    by release when its row finishes. The defaults here are those of a stateless drafter."""
+
+    k: int = 0  # the most tokens one proposal drafts per row
+    capture: tuple | None = None  # target hidden states to hand over (Transformer.forward's capture)
+
+    def setup(self, max_batch: int, max_len: int) -> None:
+        """Size any cache of its own: max_batch slots of max_len positions."""
+
+    def prefill(self, row: int, prompt: list[int], features: torch.Tensor | None = None) -> None:
+        """A new request in slot `row`: its prompt (the target's features over it, if captured)."""
+
+    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen) -> Proposal:
+        """Up to k draft tokens per row; seqs[i] is row i's prompt + output so far."""
+        ...
+
+    def accepted(self, rows: list[int], old_lens: list[int], n_accepted: list[int], features=None) -> None:
+        """After verification: row i had old_lens[i] tokens and n_accepted[i] draft tokens accepted
+        (features: the target's, [rows, K + 1, F], over the verified positions)."""
+
+    def release(self, row: int) -> None:
+        """The row finished: forget its state."""
+
+
+class NoDrafter(Drafter):
+    """The baseline: no draft, so every cycle is one plain decode step through the same loop."""
+
+    def propose(self, rows, seqs, sp, gen) -> Proposal:
+        return Proposal([[] for _ in rows], [None] * len(rows))
+
+
+class NgramDrafter(Drafter):
     """Prompt lookup: find an earlier occurrence of the context's last n tokens (n from max_ngram
     down to min_ngram) and propose the k tokens that followed it, as llama.cpp's ngram-simple and
     transformers' prompt_lookup_num_tokens do. prefer_recent takes the latest match (llama.cpp)
@@ -49,9 +83,6 @@ class NgramDrafter:
         self.k, self.min_n, self.max_n = k, min_ngram, max_ngram
         self.prefer_recent, self.min_hits = prefer_recent, min_hits
 
-    def prefill(self, row, prompt, features=None):
-        pass
-
     def lookup(self, seq: list[int]) -> list[int]:
         return ngram_lookup(seq, self.k, self.min_n, self.max_n, self.prefer_recent, self.min_hits)
 
@@ -59,14 +90,8 @@ class NgramDrafter:
         toks = [self.lookup(s) for s in seqs]
         return Proposal(toks, [None] * len(toks))
 
-    def accepted(self, rows, old_lens, n_accepted, features=None):
-        pass
 
-    def release(self, row):
-        pass
-
-
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A separate draft model with its own KV cache, kept in sync with what was accepted.
 
     The target's last token is never in either cache when a cycle starts (it is fed with the
@@ -120,16 +145,13 @@ class ModelDrafter:
         self.draft_len.pop(row, None)
 
 
-class LayerSkipDrafter:
+class LayerSkipDrafter(Drafter):
     """Self-speculation: the target itself with some layers skipped drafts, and the full target
     verifies. It shares the target's KV cache: drafting writes only slots at or after the row's
     pending position, all of which the verify pass then rewrites with full-model values."""
 
     def __init__(self, target: Transformer, k: int, layers: list[int], label: str, vocab_limit: int | None = None):
         self.model, self.k, self.layers, self.label, self.vocab_limit = target, k, layers, label, vocab_limit
-
-    def prefill(self, row, prompt, features=None):
-        pass
 
     def propose(self, rows, seqs, sp, gen) -> Proposal:
         dev = self.model.embed.weight.device
@@ -146,12 +168,6 @@ class LayerSkipDrafter:
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
         return Proposal(drafts, probs)
 
-    def accepted(self, rows, old_lens, n_accepted, features=None):
-        pass
-
-    def release(self, row):
-        pass
-
 
 def _full_vocab_probs(probs: torch.Tensor | None, head, vocab_size: int):
     """Draft-vocabulary probabilities [N, V'] as target-vocabulary ones [N, V] (zero off the map)."""
@@ -161,7 +177,7 @@ def _full_vocab_probs(probs: torch.Tensor | None, head, vocab_size: int):
     return full.index_copy_(-1, head.d2t, probs)
 
 
-class HeadDrafter:
+class HeadDrafter(Drafter):
     """EAGLE / EAGLE-3 / MTP heads drafting a chain of k tokens (k forwards of the head), or a
     P-EAGLE head drafting all k in one forward. The head reads the target's hidden states, which
     the engine hands over for every position the target processes (prefill and verify); per row,
@@ -245,7 +261,7 @@ class HeadDrafter:
         self.pending.pop(row, None)
 
 
-class CombinedDrafter:
+class CombinedDrafter(Drafter):
     """n-gram where the context offers a match of at least min_match tokens, the neural head
     otherwise. The head still reads every position's target features, so its cache catches up
     on the rows where n-gram drafted (one longer tail the next time it drafts)."""

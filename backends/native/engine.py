@@ -1,14 +1,33 @@
-"""The draft/verify loop. One function serves the baseline (no drafter: every cycle is a plain
-decode step, through the same code) and every speculative method, for a ragged batch."""
+"""The draft/verify loop. `cycle` is one draft/verify step over the rows in flight; `generate`
+runs a static ragged batch through it, and the continuous-batching scheduler (scheduler.serve)
+runs a stream of requests through the same function. With no drafter every cycle is a plain
+decode step, through the same code: the baseline."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
-from .model import Transformer
-from .sampling import SamplingParams, select, verify
+from .drafters import Drafter, NoDrafter
+from .sampling import SamplingParams, accepted_prefix, select, verify
+
+
+class Target(Protocol):
+    """What the loop asks of the target model (model.Transformer): a static KV cache of
+    max_batch slots by max_len positions, and a forward over some slots of it (rows) that gives
+    logits where logits_for is True, plus the captured hidden states when capture is given."""
+
+    max_batch: int
+    max_len: int
+    embed: torch.nn.Embedding  # its weight's device is where the loop runs
+
+    def setup_cache(self, max_batch: int, max_len: int) -> None: ...
+
+    def __call__(self, tokens: Tensor, pos: Tensor, rows: Tensor | None = None, logits_for: Tensor | None = None,
+                 capture: tuple | None = None): ...
 
 
 @dataclass
@@ -17,8 +36,19 @@ class RowOutput:
     tokens: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # target top-2 logit margin per token (if asked)
     ttft_s: float = 0.0
-    emit_times: list[float] = field(default_factory=list)  # seconds since batch start, per cycle that emitted
+    emit_times: list[float] = field(default_factory=list)  # seconds since submission, per cycle that emitted
     finished_by: str = "length"
+    submitted_s: float = 0.0  # since the run began: 0 in a static batch, the request's submission under load
+
+
+@dataclass(eq=False)  # rows compare by identity
+class Row:
+    """A request in flight: its KV-cache slot, its index among the run's requests, its tokens so
+    far (prompt + output; the last one is not yet in the cache) and its output record."""
+    slot: int
+    req: int
+    seq: list[int]
+    out: RowOutput
 
 
 def _clock(device) -> float:
@@ -33,121 +63,145 @@ def _top2_margin(logits: torch.Tensor) -> list[float]:
     return (top[:, 0] - top[:, 1]).tolist()
 
 
+def max_len_for(prompts: list[list[int]], max_new_tokens: int, drafter: Drafter) -> int:
+    """KV-cache positions a row needs: its prompt, its output, and one padded draft past it."""
+    return max(len(p) for p in prompts) + max_new_tokens + drafter.k + 2
+
+
+def setup(model: Target, drafter: Drafter, max_batch: int, max_len: int) -> None:
+    if model.max_batch < max_batch or model.max_len < max_len:
+        model.setup_cache(max(max_batch, model.max_batch), max(max_len, model.max_len))
+    drafter.setup(max_batch, max_len)
+
+
+def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, max_new_tokens: int,
+            eos_ids=(), record_margins: bool = False, t_start: float = 0.0) -> bool:
+    """Fill the row's slot with its prompt (one row, no padding), pick its first token and hand
+    the drafter the prompt, which resets whatever the slot's previous occupant left there. The
+    cache needs no clearing: a query at position p attends to slots 0..p only (model.causal_mask),
+    all written by this row before it reads them. Returns whether the row goes on."""
+    dev = model.embed.weight.device
+    p = row.seq
+    toks = torch.tensor([p], device=dev)
+    last = torch.zeros_like(toks, dtype=torch.bool)
+    last[0, -1] = True
+    logits = model(toks, torch.arange(len(p), device=dev)[None], rows=torch.tensor([row.slot], device=dev),
+                   logits_for=last, capture=drafter.capture)
+    logits, feats = logits if drafter.capture else (logits, None)
+    tok, _ = select(logits, sp, gen)
+    drafter.prefill(row.slot, list(p), None if feats is None else feats[0])
+    row.seq.append(int(tok))
+    out = row.out
+    out.tokens.append(int(tok))
+    if record_margins:
+        out.margins += _top2_margin(logits)
+    out.ttft_s = _clock(dev) - t_start - out.submitted_s
+    out.emit_times.append(out.ttft_s)
+    if int(tok) in eos_ids:
+        out.finished_by = "eos"
+    return out.finished_by != "eos" and len(out.tokens) < max_new_tokens
+
+
+def _verify(logits, toks, need, drafts, qs, sp, gen) -> list[tuple[int, list[int]]]:
+    """Per row: (draft tokens accepted, tokens emitted = the accepted draft + the target's next).
+    Greedy stays on the device but for K + 2 integers a row; sampling draws on the host, from
+    the CPU generator the run is seeded with."""
+    if sp.greedy:
+        target = torch.full_like(toks, -1)
+        target[need] = logits.argmax(-1)  # [B, K + 1]: the target's token after each draft prefix
+        a = accepted_prefix(toks[:, 1:], target, need[:, 1:])
+        # the accepted draft tokens equal the target's, so a row emits target[:a + 1]
+        return [(h[0], h[1 : h[0] + 2]) for h in torch.cat((a[:, None], target), 1).tolist()]
+    logits = logits.float().cpu() if logits.device.type != "cpu" else logits
+    res = []
+    for d, q, lg in zip(drafts, qs, torch.split(logits, [len(d) + 1 for d in drafts])):
+        a, nxt = verify(d, q, lg, sp, gen)
+        res.append((a, d[:a] + [nxt]))
+    return res
+
+
+def cycle(model: Target, drafter: Drafter, rows: list[Row], sp: SamplingParams, gen, max_new_tokens: int,
+          eos_ids=(), record_margins: bool = False, t_start: float = 0.0, index: int = 0):
+    """One draft/verify cycle over the rows in flight: the drafter proposes, one target forward
+    verifies every row (its last token + its draft, right-padded to the longest), each row keeps
+    its accepted prefix and the target's next token, cut at EOS and at max_new_tokens. Appends to
+    each row and stamps its emit time; finished rows release their drafter state. Returns (the
+    rows still going, one trace record per row)."""
+    dev = model.embed.weight.device
+    t0 = _clock(dev)
+    prop = drafter.propose([r.slot for r in rows], [r.seq for r in rows], sp, gen)
+    drafts = prop.tokens
+    t1 = _clock(dev)
+    K = max(len(d) for d in drafts)
+    toks, pos, need = [], [], []
+    for r, d in zip(rows, drafts):
+        n = len(r.seq)
+        x = [r.seq[-1]] + d
+        need.append([True] * len(x) + [False] * (K + 1 - len(x)))
+        toks.append(x + [x[-1]] * (K + 1 - len(x)))  # padding: its slots lie beyond the row
+        pos.append(list(range(n - 1, n + K)))
+    need_t, toks_t = torch.tensor(need, device=dev), torch.tensor(toks, device=dev)
+    logits = model(toks_t, torch.tensor(pos, device=dev), rows=torch.tensor([r.slot for r in rows], device=dev),
+                   logits_for=need_t, capture=drafter.capture)
+    logits, feats = logits if drafter.capture else (logits, None)
+    t2 = _clock(dev)
+    verdicts = _verify(logits, toks_t, need_t, drafts, prop.probs, sp, gen)
+    margins, at = _top2_margin(logits) if record_margins else None, 0  # flat over the rows' verified positions
+    old_lens, still = [len(r.seq) for r in rows], []
+    for r, d, (a, new) in zip(rows, drafts, verdicts):
+        new = new[: max_new_tokens - len(r.out.tokens)]
+        eos = next((j for j, t in enumerate(new) if t in eos_ids), None)
+        if eos is not None:
+            new, r.out.finished_by = new[: eos + 1], "eos"
+        r.seq += new
+        r.out.tokens += new
+        if record_margins:
+            r.out.margins += margins[at : at + len(new)]
+            at += len(d) + 1
+        if r.out.finished_by != "eos" and len(r.out.tokens) < max_new_tokens:
+            still.append(r)
+    drafter.accepted([r.slot for r in rows], old_lens, [a for a, _ in verdicts], feats)
+    t3 = _clock(dev)
+    records = []
+    for i, (r, d, (a, _), n) in enumerate(zip(rows, drafts, verdicts, old_lens)):
+        r.out.emit_times.append(t3 - t_start - r.out.submitted_s)
+        if r not in still:
+            drafter.release(r.slot)
+        records.append(dict(cycle=index, row=r.req, drafted=len(d), accepted=a, emitted=len(r.seq) - n, kv_len=n - 1,
+                            batch_rows=len(rows), t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2))
+        if prop.sources:
+            records[-1]["draft_source"] = prop.sources[i]
+    return still, records
+
+
 @torch.inference_mode()
 def generate(
-    model: Transformer,
+    model: Target,
     prompts: list[list[int]],
     max_new_tokens: int,
     sp: SamplingParams,
-    drafter=None,
+    drafter: Drafter | None = None,
     eos_ids: tuple[int, ...] = (),
     gen: torch.Generator | None = None,
     record_margins: bool = False,
     trace: bool = True,
 ):
-    """Generate for a batch of prompts. Returns (rows, cycles): one RowOutput per prompt and,
-    when trace, one dict per (cycle, active row) with drafted/accepted/emitted counts, the row's
-    KV length and the cycle's t_draft / t_verify / t_other (shared by the rows of the cycle)."""
+    """Generate for a static batch of prompts (row b in KV slot b). Returns (rows, cycles, wall):
+    one RowOutput per prompt, when trace one dict per (cycle, active row) with drafted / accepted /
+    emitted counts, the row's KV length and the cycle's t_draft / t_verify / t_other (shared by
+    the rows of the cycle), and the seconds from the first prefill to the end."""
+    drafter = NoDrafter() if drafter is None else drafter
     dev = model.embed.weight.device
-    k = getattr(drafter, "k", 0)
-    B = len(prompts)
-    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 2
-    if model.max_batch < B or model.max_len < max_len:
-        model.setup_cache(max(B, model.max_batch), max(max_len, model.max_len))
-    if drafter is not None and hasattr(drafter, "setup"):
-        drafter.setup(B, max_len)
-    capture = getattr(drafter, "capture", None)  # feature-based heads read the target's hidden states
-    out = [RowOutput(list(p)) for p in prompts]
-    seqs = [list(p) for p in prompts]  # prompt + generated; the last token is not yet in the cache
+    setup(model, drafter, len(prompts), max_len_for(prompts, max_new_tokens, drafter))
+    rows = [Row(b, b, list(p), RowOutput(list(p))) for b, p in enumerate(prompts)]
     cycles: list[dict] = []
     t_start = _clock(dev)
-
-    # Prefill row by row (no padding), then pick each row's first token.
-    for b, p in enumerate(prompts):
-        toks = torch.tensor([p], device=dev)
-        last = torch.zeros_like(toks, dtype=torch.bool)
-        last[0, -1] = True
-        feats = None
-        logits = model(toks, torch.arange(len(p), device=dev)[None], rows=torch.tensor([b], device=dev), logits_for=last,
-                       capture=capture)
-        if capture:
-            logits, feats = logits
-        tok, _ = select(logits, sp, gen)
-        if drafter is not None:
-            drafter.prefill(b, p, None if feats is None else feats[0])
-        seqs[b].append(int(tok))
-        out[b].tokens.append(int(tok))
-        if record_margins:
-            out[b].margins += _top2_margin(logits)
-        out[b].ttft_s = _clock(dev) - t_start
-        out[b].emit_times.append(out[b].ttft_s)
-        if int(tok) in eos_ids:
-            out[b].finished_by = "eos"
-    active = [b for b in range(B) if len(out[b].tokens) < max_new_tokens and out[b].finished_by != "eos"]
-
-    cycle = 0
+    # Prefill row by row (no padding), then cycle over the rows that go on until none does.
+    active = [r for r in rows if prefill(model, drafter, r, sp, gen, max_new_tokens, eos_ids, record_margins, t_start)]
+    n = 0
     while active:
-        t0 = _clock(dev)
-        if drafter is not None:
-            prop = drafter.propose(active, [seqs[b] for b in active], sp, gen)
-            drafts, qs, sources = prop.tokens, prop.probs, prop.sources
-        else:
-            drafts, qs, sources = [[] for _ in active], [None] * len(active), None
-        t1 = _clock(dev)
-        K = max(len(d) for d in drafts)
-        toks, pos, need = [], [], []
-        for b, d in zip(active, drafts):
-            n = len(seqs[b])
-            row = [seqs[b][-1]] + d
-            need.append([True] * len(row) + [False] * (K + 1 - len(row)))
-            toks.append(row + [row[-1]] * (K + 1 - len(row)))  # padding: its slots lie beyond the row
-            pos.append(list(range(n - 1, n + K)))
-        need_t = torch.tensor(need, device=dev)
-        logits = model(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev),
-                       rows=torch.tensor(active, device=dev), logits_for=need_t, capture=capture)
-        feats = None
-        if capture:
-            logits, feats = logits
-        t2 = _clock(dev)
-        logits = logits.float().cpu() if logits.device.type != "cpu" else logits
-        per_row = torch.split(logits, [len(d) + 1 for d in drafts])
-        old_lens, accepted = [], []
-        still = []
-        emitted_counts = []
-        for b, d, q, lg in zip(active, drafts, qs, per_row):
-            a, nxt = verify(d, q, lg, sp, gen)
-            old_lens.append(len(seqs[b]))
-            accepted.append(a)
-            new = d[:a] + [nxt]
-            if record_margins:
-                margins = _top2_margin(lg[: a + 1])
-            room = max_new_tokens - len(out[b].tokens)
-            new = new[:room]
-            for i, t in enumerate(new):
-                if t in eos_ids:
-                    new = new[: i + 1]
-                    out[b].finished_by = "eos"
-                    break
-            seqs[b] += new
-            out[b].tokens += new
-            if record_margins:
-                out[b].margins += margins[: len(new)]
-            emitted_counts.append(len(new))
-            if out[b].finished_by != "eos" and len(out[b].tokens) < max_new_tokens:
-                still.append(b)
-        if drafter is not None:
-            drafter.accepted(active, old_lens, accepted, feats)
-        t3 = _clock(dev)
-        for b, n_emit in zip(active, emitted_counts):
-            out[b].emit_times.append(t3 - t_start)
-            if b not in still and drafter is not None:
-                drafter.release(b)
+        active, records = cycle(model, drafter, active, sp, gen, max_new_tokens, eos_ids, record_margins, t_start, n)
         if trace:
-            for i, (b, d, a, n_emit, n) in enumerate(zip(active, drafts, accepted, emitted_counts, old_lens)):
-                cycles.append(dict(cycle=cycle, row=b, drafted=len(d), accepted=a, emitted=n_emit, kv_len=n - 1,
-                                   batch_rows=len(active), t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2))
-                if sources:
-                    cycles[-1]["draft_source"] = sources[i]
-        active = still
-        cycle += 1
-    return out, cycles, _clock(dev) - t_start
+            cycles += records
+        n += 1
+    return [r.out for r in rows], cycles, _clock(dev) - t_start

@@ -47,6 +47,16 @@ def select(logits: Tensor, sp: SamplingParams, gen: torch.Generator | None) -> t
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1), probs
 
 
+def accepted_prefix(draft: Tensor, target: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Greedy acceptance, batched and on the draft's device: per row, how many leading draft
+    tokens equal the target's own choice. draft: [B, K]; target: [B, K + 1] token ids, column i
+    the target's token after draft[:, :i]; valid: [B, K], False past a row's own draft."""
+    match = draft == target[:, :-1]
+    if valid is not None:
+        match &= valid
+    return match.long().cumprod(-1).sum(-1)
+
+
 def verify(
     draft: list[int], q: Tensor | None, target_logits: Tensor, sp: SamplingParams, gen: torch.Generator | None
 ) -> tuple[int, int]:
@@ -54,11 +64,9 @@ def verify(
     draft[:i]. q: [len(draft), V] draft probabilities, or None for a deterministic proposal.
     Returns (accepted count, the target's own next token)."""
     if sp.greedy:
-        target = target_logits.argmax(-1).tolist()
-        a = 0
-        while a < len(draft) and draft[a] == target[a]:
-            a += 1
-        return a, target[a]
+        target = target_logits.argmax(-1)
+        a = int(accepted_prefix(torch.tensor([draft], dtype=torch.long, device=target.device), target[None])[0])
+        return a, int(target[a])
     p = probs_from_logits(target_logits, sp)
     return rejection_sample(draft, q, p, gen)
 
