@@ -50,9 +50,15 @@ def print_table(df, title: str = "specsweep") -> None:
 
     t = Table(title=title)
     cols = [c for c in TABLE_COLUMNS if c in df.columns]
+    if "load_kind" in df.columns and (df.load_kind.fillna("static") != "static").any():
+        # load points: the level says what ran (batch_size is the rows the engine was given)
+        cols = cols[:3] + ["load_label"] + cols[3:] + [c for c in ("tpot_speedup", "goodput_rps", "baseline_goodput_rps")
+                                                         if c in df.columns]
     for c in cols:
-        t.add_column(c, justify="right" if c not in ("backend", "method", "workload", "status", "lossless") else "left")
-    for _, r in df.sort_values([c for c in ("workload", "method", "batch_size") if c in df.columns]).iterrows():
+        t.add_column(c, justify="right" if c not in ("backend", "method", "workload", "status", "lossless", "load_label")
+                     else "left")
+    for _, r in df.sort_values([c for c in ("workload", "method", "load_kind", "load_level", "batch_size")
+                                if c in df.columns]).iterrows():
         cells = []
         for c in cols:
             v = r[c]
