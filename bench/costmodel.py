@@ -1,7 +1,8 @@
 """Cost models for the oracle simulator: seconds per target forward and per draft.
 
 target forward = c_kv * kv_tokens + c_compute * batched_tokens + c_fixed
-draft (kind "linear")   = c_kv * kv_tokens + c_tokens * input_len + c_fixed   (a neural drafter)
+draft (kind "linear")   = c_kv * kv_tokens + c_tokens * input_len + c_fixed   (a neural drafter, per: cycle)
+                        = (input_len - 1) * (c_kv * kv_tokens + c_tokens + c_fixed)   (per: step)
 draft (kind "relative") = fraction * verify_time                               (an n-gram lookup)
 plus a fixed overhead per step, and a switching cost when a combined policy changes drafter.
 
@@ -10,7 +11,7 @@ The published model (`llama3.1-8b-h100`) is SpecDecode-Bench's, fitted on Instru
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +26,16 @@ class DraftCost:
     c_tokens: float = 0.0
     c_fixed: float = 0.0
     fraction: float = 0.0
+    # How a linear (neural) draft is charged: "cycle", once per cycle whatever k (as the published
+    # constants were fitted), or "step", once per head forward: k sequential forwards of one token
+    # each, so the cost grows with k. Relative (lookup) costs ignore it.
+    per: str = "cycle"
 
     def __post_init__(self):
         if self.kind not in ("linear", "relative"):
             raise ValueError(f"draft cost kind {self.kind!r} is not valid; use linear or relative")
+        if self.per not in ("cycle", "step"):
+            raise ValueError(f"draft cost per={self.per!r} is not valid; use cycle or step")
 
     def time(self, verify, kv_tokens, input_len):
         """Seconds to draft one cycle (arrays broadcast): verify is that cycle's target forward,
@@ -36,6 +43,8 @@ class DraftCost:
         cost is given kv_tokens' shape too, so that callers can sum drafters of either kind."""
         if self.kind == "relative":
             return self.fraction * verify + np.zeros_like(kv_tokens)
+        if self.per == "step":  # one forward per drafted token (input_len - 1 of them)
+            return (np.asarray(input_len) - 1) * (self.c_kv * kv_tokens + self.c_tokens + self.c_fixed)
         return self.c_kv * kv_tokens + self.c_tokens * input_len + self.c_fixed
 
 
@@ -90,6 +99,20 @@ LLAMA31_8B_H100 = CostModel(
 NAMED = {LLAMA31_8B_H100.name: LLAMA31_8B_H100}
 
 
+def with_neural_charge(cost: CostModel, per: str) -> CostModel:
+    """The same model with every linear (neural) draft charged per `per` ("cycle" or "step")."""
+    def charged(dc):
+        return replace(dc, per=per) if dc is not None and dc.kind == "linear" else dc
+    return replace(cost, drafters={m: charged(d) for m, d in cost.drafters.items()},
+                   default_neural=charged(cost.default_neural), default_ngram=charged(cost.default_ngram))
+
+
+def neural_charge(cost: CostModel) -> str:
+    """How the model charges its neural drafts: cycle, step, or mixed (drafters differ)."""
+    pers = {d.per for d in [*cost.drafters.values(), cost.default_neural] if d is not None and d.kind == "linear"}
+    return pers.pop() if len(pers) == 1 else ("mixed" if pers else "cycle")
+
+
 def load_cost_model(name_or_file: str) -> CostModel:
     """A named model or a YAML file:
 
@@ -99,7 +122,7 @@ def load_cost_model(name_or_file: str) -> CostModel:
     switching_cost: 0.0005
     prefill: {c_tokens: ..., c_fixed: ...}   # optional; default: a target forward over the prompt
     drafters:
-      eagle: {kind: linear, c_kv: ..., c_tokens: ..., c_fixed: ...}
+      eagle: {kind: linear, c_kv: ..., c_tokens: ..., c_fixed: ..., per: cycle}   # per: cycle | step
       ngram: {kind: relative, fraction: 0.006}
     """
     if name_or_file in NAMED:
