@@ -6,7 +6,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..costmodel import load_cost_model
+import pandas as pd
+
+from ..costmodel import load_cost_model, with_neural_charge
 from ..methods import declare
 from .reporting import plot, summary_markdown
 from .simulate import run
@@ -30,6 +32,13 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter-kind", nargs="+", default=[], metavar="NAME=KIND",
                     help="the drafter kind of a trace's method that has no conf/method file (e.g. medusa=head); "
                          "kinds: none, lookup, model, head, layers, mixed (bench/methods.py)")
+    ap.add_argument("--neural-draft-charge", choices=["cycle", "step", "both"],
+                    help="charge a neural draft once per cycle (the published constants) or per head step (k "
+                         "sequential forwards); both: report each (default: as the cost model says, cycle unless its "
+                         "YAML sets per: step)")
+    ap.add_argument("--tune", action="store_true",
+                    help="fit the parameters of match and ema on one half of the sampled requests (a fixed seeded "
+                         "split) and score every policy on the other half (column half = score)")
     ap.add_argument("--out", default="oracle_results", help="output folder")
     a = ap.parse_args(argv)
     if any(b < 1 for b in a.batch_sizes):
@@ -40,7 +49,11 @@ def main(argv=None) -> int:
         declare(a.drafter_kind)
         cost = load_cost_model(a.cost_model)
         accountings = ["optimistic", "faithful"] if a.accounting == "both" else [a.accounting]
-        df = run(a.traces, cost, a.batch_sizes, accountings, a.policies, a.requests, a.batch_mode)
+        charges = {None: [None], "both": ["cycle", "step"]}.get(a.neural_draft_charge, [a.neural_draft_charge])
+        df = pd.concat([run(a.traces, cost if per is None else with_neural_charge(cost, per), a.batch_sizes, accountings,
+                            a.policies, a.requests, a.batch_mode, a.tune,
+                            warn=lambda m: print(f"specsweep-oracle: {m}", file=sys.stderr))
+                        for per in charges], ignore_index=True)
     except (TraceError, ValueError) as e:
         print(f"specsweep-oracle: {e}", file=sys.stderr)
         return 2

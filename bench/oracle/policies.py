@@ -59,6 +59,14 @@ class Policy:
     free_empty_lookup: ClassVar[bool] = False
     # False: it is a model of matches, not a replay of each position's acceptance (randmatch).
     replays_trace: ClassVar[bool] = True
+    # It sees only the past (tokens so far, outcomes of its own cycles, a lookup's proposal length
+    # at the current position): something a decoder could run. oracle, combined and dp cannot.
+    realizable: ClassVar[bool] = True
+    # Its choices depend on the batch size, accounting or cost model (Context), so the simulators
+    # replay it once per batch size instead of once per request.
+    batch_aware: ClassVar[bool] = False
+    # The methods whose recorded draft lengths (draft_len) it needs; a trace without them is n/a.
+    needs_drafted: ClassVar[tuple[int, ...]] = ()
 
     @property
     def name(self) -> str:
@@ -76,6 +84,12 @@ class Policy:
         drafted[j] are method j's acc_len and recorded draft lengths (None: not recorded); prev is
         (method used, tokens emitted) of the previous cycle, None at the first."""
         raise NotImplementedError
+
+    def proposer(self, t, ctx: "Context | None"):
+        """A propose function for one request (trace t), replayed from its first cycle. Stateless
+        policies return propose itself; adaptive ones a closure over their running estimates, fresh
+        for each request, and ctx gives them the cost model, batch size and accounting."""
+        return self.propose
 
     def draft_time(self, cost: CostModel, accounting: str, ran, verify, kv, il):
         """Drafting charged per cycle, arrays of any broadcastable shape: ran[..., j] whether
@@ -109,6 +123,33 @@ class Policy:
         return pol
 
 
+@dataclass(frozen=True)
+class Context:
+    """What a batch-aware policy may know besides the past: the cost model it is timed by, the batch
+    size and the accounting. Its cycle times are those of a row in a batch of B rows like itself
+    (exact at B = 1, where they are the simulators' own)."""
+    cost: CostModel
+    batch_size: int
+    accounting: str
+
+    def step_time(self, pol: Policy, w: int, drafts: int, pos: int, prompt_len: int, switch: bool = False,
+                  consulted=()):
+        """Seconds of a cycle at generated position pos verifying drafts + 1 tokens drafted by
+        method w (drafts 0: a plain decode step, no drafter charged), plus the drafters in
+        `consulted` (run only to decide), plus a switch where the accounting charges one."""
+        B = self.batch_size
+        kv = B * (prompt_len + 1 + pos)
+        il = drafts + 1
+        verify = self.cost.verify(kv, B * il)
+        charged = set(consulted) | ({w} if drafts > 0 else set())
+        t = verify + self.cost.overhead_per_step
+        for j in charged:
+            t += float(self.cost.draft(pol.methods[j]).time(verify, kv, il))
+        if switch and pol.charges_switching(self.accounting):
+            t += self.cost.switching_cost
+        return float(t)
+
+
 class FixedK(Policy):
     kind, syntax = "fixed", "fixed:METHOD:K"
     drafts_k = free_empty_lookup = True
@@ -125,7 +166,7 @@ class FixedK(Policy):
 
 class OracleK(Policy):
     kind, syntax = "oracle", "oracle:METHOD"
-    free_empty_lookup = True
+    free_empty_lookup, realizable = True, False
 
     @classmethod
     def from_args(cls, spec, args):
@@ -137,7 +178,7 @@ class OracleK(Policy):
 
 class Combined(Policy):
     kind, syntax = "combined", "combined:M1+M2[+...]"
-    switches = True
+    switches, realizable = True, False
 
     @classmethod
     def from_args(cls, spec, args):
@@ -199,12 +240,23 @@ class RandMatch(Policy):
         return 0, self.k + 1, (True,)
 
 
+# The adaptive policies and the dp bound subclass Policy and Context above, so they are imported
+# here, after them, to join the registry (their modules import this one's names, already defined).
+from .adaptive import Ema, Goodput, Match, Schedule, Ucb  # noqa: E402
+from .dp import Dp  # noqa: E402
+
 # kind -> class; the order is that of the syntaxes an error lists
 POLICIES: dict[str, type[Policy]] = {c.kind: c for c in (
     FixedK,
     OracleK,
     Combined,
     Fallback,
+    Match,
+    Ema,
+    Goodput,
+    Ucb,
+    Schedule,
+    Dp,
     RandMatch,
 )}
 

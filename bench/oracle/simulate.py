@@ -24,7 +24,7 @@ import numpy as np
 from .. import metrics
 from ..costmodel import CostModel
 from ..methods import is_lookup
-from .policies import Policy, RandMatch, default_policies
+from .policies import Context, Policy, RandMatch, default_policies
 from .tracefile import Trace, generated_len, load_traces
 
 SAMPLE_SEED = 42  # the published methodology samples 300 requests with random.seed(42)
@@ -42,7 +42,10 @@ class Trajectory:
     winner: np.ndarray  # per cycle: index of the method whose proposal was used
 
 
-def trajectory(t: Trace, pol: Policy) -> Trajectory:
+def trajectory(t: Trace, pol: Policy, ctx: Context | None = None) -> Trajectory:
+    """The cycles of policy pol over request t; ctx (cost model, batch size, accounting) for the
+    policies whose choices depend on them (batch_aware)."""
+    propose = pol.proposer(t, ctx)
     acc_lens = [t.acc[m] for m in pol.methods]
     drafted = [(t.drafted or {}).get(m) for m in pol.methods]
     G = generated_len(t, pol.methods)
@@ -51,7 +54,7 @@ def trajectory(t: Trace, pol: Policy) -> Trajectory:
     prev = None
     while cur < G:  # every cycle emits >= 1 token (acc_len >= 1, k >= 1 checked on input): at most G cycles
         pos = cur - 1
-        w, il, r = pol.propose(pos, acc_lens, drafted, prev)
+        w, il, r = propose(pos, acc_lens, drafted, prev)
         a = min(int(acc_lens[w][pos]), il)
         if a < 1:  # a trace or policy built around load_traces / Policy.parse: refuse rather than loop
             raise ValueError(f"request {t.id}, policy {pol.name}: a cycle at position {pos} would emit {a} tokens")
@@ -74,12 +77,18 @@ def baseline_time(cost: CostModel, P, G, B):
             + cost.c_kv * B * (n * (P + 1) + n * (n - 1) / 2))
 
 
-def _result(batch_sizes, speedups, trajs, n_requests: int) -> dict:
+def _tokens_per_forward(trajs) -> float:
     # every simulated cycle is one target forward, whether it drafted or not: tokens per forward
     # (bench.metrics' definition), which the first versions of this table called mean_acceptance_length
-    emitted = np.concatenate([t.emitted for t in trajs]) if trajs else np.zeros(0)
-    return {"batch_sizes": list(batch_sizes), "speedup": list(speedups),
-            "tokens_per_forward": metrics.tokens_per_forward(emitted), "requests": n_requests}
+    return metrics.tokens_per_forward(np.concatenate([t.emitted for t in trajs]) if trajs else np.zeros(0))
+
+
+def _result(batch_sizes, speedups, trajs, n_requests: int, per_batch_trajs=None) -> dict:
+    out = {"batch_sizes": list(batch_sizes), "speedup": list(speedups),
+           "tokens_per_forward": _tokens_per_forward(trajs), "requests": n_requests}
+    if per_batch_trajs is not None:  # a batch-aware policy: a trajectory per batch size
+        out["tokens_per_forward_by_batch"] = [_tokens_per_forward(tr) for tr in per_batch_trajs]
+    return out
 
 
 def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: np.ndarray, accounting: str):
@@ -137,13 +146,19 @@ def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, acc
     reqs = sample_requests(traces, pol.methods, n_requests)
     base_tpt = np.zeros(len(B))
     spec_tpt = np.zeros(len(B))
-    trajs = [trajectory(t, pol) for t in reqs]
-    for t, traj in zip(reqs, trajs):
-        base, spec, G = request_times(t, pol, traj, cost, B, accounting)
-        base_tpt += B * G / base
-        spec_tpt += B * G / spec
+    # A batch-aware policy's trajectory depends on B: one per batch size; the others' once for all.
+    cols = [slice(j, j + 1) for j in range(len(B))] if pol.batch_aware else [slice(None)]
+    per_b = []
+    for c in cols:
+        ctx = Context(cost, int(B[c][0]), accounting) if pol.batch_aware else None
+        trajs = [trajectory(t, pol, ctx) for t in reqs]
+        per_b.append(trajs)
+        for t, traj in zip(reqs, trajs):
+            base, spec, G = request_times(t, pol, traj, cost, B[c], accounting)
+            base_tpt[c] += B[c] * G / base
+            spec_tpt[c] += B[c] * G / spec
     speedup = spec_tpt / base_tpt  # ratio of mean throughputs (the means' 1/n cancels)
-    return _result(B.tolist(), speedup.tolist(), trajs, len(reqs))
+    return _result(B.tolist(), speedup.tolist(), per_b[0], len(reqs), per_b if pol.batch_aware else None)
 
 
 def simulate_randmatch(traces, pol: RandMatch, cost: CostModel, batch_sizes, n_requests: int = 300,
@@ -201,9 +216,12 @@ def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes,
     reqs = sample_requests(traces, pol.methods, n_requests)
     if not reqs:
         raise ValueError(f"policy {pol.name}: no request has a trace for every one of {list(pol.methods)}")
-    trajs = [trajectory(t, pol) for t in reqs]
+    trajs_by_b = []
     speedups = []
     for B in batch_sizes:
+        ctx = Context(cost, int(B), accounting)
+        trajs = [trajectory(t, pol, ctx) for t in reqs] if pol.batch_aware or not trajs_by_b else trajs_by_b[-1]
+        trajs_by_b.append(trajs)
         groups = [list(range(i, min(i + B, len(reqs)))) for i in range(0, len(reqs), B)]
         if len(groups) > 1 and len(groups[-1]) < B:
             groups = groups[:-1]  # a partial tail batch would mix batch sizes
@@ -239,14 +257,58 @@ def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes,
                 step[1:] += switched * cost.switching_cost
             spec_t += pre + step.sum()
         speedups.append((tok / spec_t) / (tok / base_t))
-    return _result(batch_sizes, speedups, trajs, len(reqs))
+    return _result(batch_sizes, speedups, trajs_by_b[0] if trajs_by_b else [], len(reqs),
+                   trajs_by_b if pol.batch_aware else None)
+
+
+TUNE_SEED = 7  # the fixed split of --tune: which sampled requests fit parameters, which are scored
+
+
+def tune_split(traces: list[Trace], methods, n_requests: int = 300, seed: int = TUNE_SEED):
+    """The sampled requests (as every policy sees them) in two disjoint halves, fixed by seed:
+    (fit, score). Parameters are chosen on fit and reported on score only."""
+    reqs = sample_requests(traces, methods, n_requests)
+    order = list(range(len(reqs)))
+    random.Random(seed).shuffle(order)
+    half = len(reqs) // 2
+    return [reqs[i] for i in sorted(order[:half])], [reqs[i] for i in sorted(order[half:])]
+
+
+def _simulator(batch_mode: str):
+    def sim(traces, pol, cost, batch_sizes, accounting, n_requests, dataset):
+        if batch_mode == "repeat":
+            return simulate(traces, pol, cost, batch_sizes, accounting, n_requests, dataset)
+        if not pol.replays_trace:
+            raise ValueError(f"policy {pol.name} models the published repeat batches; use --batch-mode repeat")
+        return simulate_set(traces, pol, cost, batch_sizes, accounting, n_requests)
+    return sim
+
+
+def lacks_draft_lengths(traces, pol: Policy) -> list[str]:
+    """The methods whose draft lengths pol needs and no trace records: pol is n/a on them."""
+    need = [pol.methods[j] for j in pol.needs_drafted]
+    return [m for m in need if not any(t.drafted and m in t.drafted for t in traces if m in t.acc)]
+
+
+def _tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset):
+    """Per batch size, the candidate of pol.tune_grid() with the highest speedup on the fit half."""
+    scores = [(c, sim(fit, c, cost, batch_sizes, accounting, len(fit), dataset)["speedup"]) for c in pol.tune_grid()]
+    return [max(scores, key=lambda cs: cs[1][j])[0] for j in range(len(batch_sizes))]
 
 
 def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=None, n_requests: int = 300,
-        batch_mode: str = "set"):
-    """Every policy x accounting x batch size for every trace file; returns a DataFrame."""
+        batch_mode: str = "set", tune: bool = False, warn=None):
+    """Every policy x accounting x batch size for every trace file; returns a DataFrame.
+
+    tune: parameters of the policies that have a tune_grid are fitted on one half of the sampled
+    requests (tune_split) per batch size and accounting, and every policy is scored on the other
+    half (column half = "score"; "all" without tune). A policy that needs draft lengths the traces
+    lack is n/a there: skipped, and warn(message) says so."""
     import pandas as pd
 
+    from ..costmodel import neural_charge
+
+    sim = _simulator(batch_mode)
     rows = []
     for f in trace_files:
         traces = load_traces(f)
@@ -255,19 +317,74 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
         pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
         if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
             pols += [RandMatch((m,), k) for m in methods if is_lookup(m) for k in (1, 3, 5)]
+        if not policy_specs:  # the adaptive rules and the dp bound come after the published ones
+            pols += adaptive_defaults(methods)
         for pol in pols:
+            _check_methods(traces, pol)
+            lacking = lacks_draft_lengths(traces, pol)
+            if lacking:
+                if policy_specs and warn is None:
+                    raise ValueError(f"policy {pol.name}: n/a on {f}: it needs the draft lengths (draft_len) of "
+                                     f"{lacking}, which the traces do not record")
+                if warn is not None:
+                    warn(f"policy {pol.name}: n/a on {dataset} (the traces record no draft_len for {lacking})")
+                continue
             simulated = accountings if pol.switches else accountings[:1]  # the others' are the same in both
             for accounting in simulated:
-                if batch_mode == "repeat":
-                    r = simulate(traces, pol, cost, batch_sizes, accounting, n_requests, dataset)
-                elif not pol.replays_trace:
-                    raise ValueError(f"policy {pol.name} models the published repeat batches; use --batch-mode repeat")
+                if tune:
+                    fit, score = tune_split(traces, pol.methods, n_requests)
+                    tuned = (_tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset)
+                             if hasattr(pol, "tune_grid") else [pol] * len(batch_sizes))
+                    runs = [(c, sim(score, c, cost, [b], accounting, len(score), dataset), pol.name)
+                            for c, b in zip(tuned, batch_sizes)]
                 else:
-                    r = simulate_set(traces, pol, cost, batch_sizes, accounting, n_requests)
-                for b, s in zip(r["batch_sizes"], r["speedup"]):
-                    for a in (accountings if len(simulated) == 1 else [accounting]):
-                        rows.append({"dataset": dataset, "policy": pol.name, "kind": pol.kind,
-                                     "methods": "+".join(pol.methods), "k": pol.k or None, "batch_size": b, "accounting": a,
-                                     "speedup": s, "tokens_per_forward": r["tokens_per_forward"],
-                                     "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode})
-    return pd.DataFrame(rows)
+                    runs = [(pol, sim(traces, pol, cost, batch_sizes, accounting, n_requests, dataset), None)]
+                for p, r, template in runs:
+                    tpf = r.get("tokens_per_forward_by_batch") or [r["tokens_per_forward"]] * len(r["batch_sizes"])
+                    for b, s, tp in zip(r["batch_sizes"], r["speedup"], tpf):
+                        for a in (accountings if len(simulated) == 1 else [accounting]):
+                            rows.append({"dataset": dataset, "policy": p.name, "kind": p.kind,
+                                         "methods": "+".join(p.methods), "k": p.k or None, "batch_size": b,
+                                         "accounting": a, "speedup": s, "tokens_per_forward": tp,
+                                         "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode,
+                                         "realizable": p.realizable,
+                                         "approximate": p.kind == "dp" and b > 1,
+                                         "neural_draft_charge": neural_charge(cost),
+                                         "half": "score" if tune else "all", "tuned_from": template})
+    if not rows:
+        raise ValueError("no rows: every policy asked for is n/a on these traces (see above)")
+    return add_gap_closed(pd.DataFrame(rows))
+
+
+GAP_KEYS = ["dataset", "batch_size", "accounting", "neural_draft_charge", "half"]
+
+
+def add_gap_closed(df):
+    """gap_closed = (speedup - best fixed) / (dp - best fixed) per dataset, batch size, accounting
+    (and draft charge, half): best fixed is the best fixed:M:K row of the group, dp its best dp row.
+    NaN where the group has no fixed or no dp row, or dp does not beat the best fixed."""
+    if not len(df):
+        return df.assign(gap_closed=[])
+    def per_group(g):
+        fixed = g.speedup[g.kind == "fixed"]
+        dp = g.speedup[g.kind == "dp"]
+        if not len(fixed) or not len(dp) or dp.max() - fixed.max() <= 1e-12:
+            return g.speedup * float("nan")
+        return (g.speedup - fixed.max()) / (dp.max() - fixed.max())
+    df = df.copy()
+    df["gap_closed"] = df.groupby(GAP_KEYS, dropna=False, group_keys=False)[["speedup", "kind"]].apply(per_group)
+    return df
+
+
+def adaptive_defaults(methods: list[str], kmax: int = 8) -> list[Policy]:
+    """The default adaptive rules and bound: ema (k0 3) per method, goodput and a ucb over all,
+    match from the first lookup to the first model drafter, dp over all."""
+    cheap = [m for m in methods if is_lookup(m)]
+    neural = [m for m in methods if not is_lookup(m)]
+    ms = tuple(cheap + neural)
+    pols = [Policy.parse(f"ema:{m}:3") for m in ms]
+    pols += [Policy.parse(f"goodput:{'+'.join(ms)}:{kmax}"), Policy.parse(f"ucb:{'+'.join(ms)}:1,3,5")]
+    if cheap and neural:
+        pols.append(Policy.parse(f"match:{cheap[0]}+{neural[0]}:1:{kmax}:3"))
+    pols.append(Policy.parse(f"dp:{'+'.join(ms)}:{kmax}"))
+    return pols

@@ -1,0 +1,285 @@
+"""Realizable adaptive policies: each cycle's choice from the past only.
+
+Every class here decides through `choose(state, pos, avail)` and learns through
+`observe(state, w, drafts, emitted)`; neither is given the trace's acceptance, so what a policy
+knows is, by construction, what a decoder would: its own earlier cycles (method, drafts, tokens
+emitted), the position, and `avail[j]`, the tokens method j's drafter can propose here where the
+trace records it (draft_len: an n-gram lookup's match, found before the cycle runs).
+
+- match:CHEAP+NEURAL:M:KC:KN   the lookup when it proposes >= M tokens here (k = min(that, KC)),
+                               else the neural drafter at KN (needs the lookup's draft_len);
+- ema:METHOD:K0[:ALPHA[:KMAX]] k follows an exponential moving average of accepted drafts;
+- goodput:M1+M2[+...]:KMAX     per cycle the (method, k), k = 0 (a plain step) allowed, with the
+                               most expected tokens per second, from running acceptance estimates;
+- ucb:M1+M2[+...]:K1,K2,...    a UCB1 bandit over (method, k) arms, reward tokens per second;
+- schedule:METHOD:B1=K1,...    an engine's static schedule: k by batch size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..methods import is_lookup
+from .policies import Context, Policy, PolicyError, _draft_length
+
+
+def _methods(spec: str, text: str, n: int | None = None) -> tuple[str, ...]:
+    ms = tuple(text.split("+"))
+    if any(not m for m in ms) or (n is not None and len(ms) != n):
+        raise PolicyError(f"policy {spec!r}: methods {text!r} are not valid; give "
+                          + (f"{n} methods joined by +" if n else "methods joined by +"))
+    return ms
+
+
+def _need_context(pol: Policy, ctx: Context | None) -> Context:
+    if ctx is None:
+        raise ValueError(f"policy {pol.name}: its choices depend on the cost model and batch size; replay it with "
+                         "a Context (simulate and simulate_set pass one)")
+    return ctx
+
+
+@dataclass(frozen=True)
+class Adaptive(Policy):
+    """The shared walk: per request a fresh state (begin), then each cycle choose from the past and
+    observe the outcome. A lookup proposes at most what it has at the position (avail)."""
+
+    def begin(self, t, ctx) -> SimpleNamespace:
+        return SimpleNamespace()
+
+    def choose(self, st, pos: int, avail) -> tuple[int, int, tuple[bool, ...]]:
+        """(method index, drafts wanted, which drafters run) from the past only."""
+        raise NotImplementedError
+
+    def observe(self, st, w: int, drafts: int, emitted: int) -> None:
+        pass
+
+    def proposer(self, t, ctx):
+        missing = [self.methods[j] for j in self.needs_drafted if (t.drafted or {}).get(self.methods[j]) is None]
+        if missing:
+            raise ValueError(f"policy {self.name}: n/a for request {t.id}: it needs the lookup's draft lengths "
+                             f"(draft_len) of {missing}, which this trace does not record")
+        st = self.begin(t, ctx)
+        last = []  # the previous cycle's (method, drafts), to pair with the outcome trajectory reports
+
+        def propose(pos, acc_lens, drafted, prev):  # acc_lens is not passed on: only the past decides
+            if prev is not None:
+                self.observe(st, last[0][0], last[0][1], prev[1])
+            avail = [None if d is None else int(d[pos]) for d in drafted]
+            w, k, ran = self.choose(st, pos, avail)
+            drafts = k if avail[w] is None else min(k, avail[w])
+            last[:] = [(w, drafts)]
+            return w, drafts + 1, ran
+        return propose
+
+
+@dataclass(frozen=True)
+class Match(Adaptive):
+    """The lookup where it proposes at least `min_match` tokens here (k = min(its proposal, k_cheap)),
+    else the neural drafter at k_neural. The lookup runs every cycle: it is how the rule decides."""
+    min_match: int = 1
+    k_cheap: int = 1
+    k_neural: int = 1
+
+    kind, syntax = "match", "match:CHEAP+NEURAL:M:KC:KN"
+    switches = True
+    needs_drafted = (0,)
+
+    @property
+    def name(self):
+        return f"match:{'+'.join(self.methods)}:{self.min_match}:{self.k_cheap}:{self.k_neural}"
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if len(args) != 4:
+            return None
+        ks = [_draft_length(spec, a) for a in args[1:]]
+        return cls(_methods(spec, args[0], 2), 0, *ks)
+
+    def choose(self, st, pos, avail):
+        if avail[0] >= self.min_match:
+            return 0, self.k_cheap, (True, False)
+        return 1, self.k_neural, (True, True)
+
+    def tune_grid(self):
+        """Candidates for --tune: the threshold and the neural k (the cheap k as given)."""
+        return [Match(self.methods, 0, m, self.k_cheap, kn) for m in (1, 2, 3, 4) for kn in (1, 2, 3, 4, 5)]
+
+
+@dataclass(frozen=True)
+class Ema(Adaptive):
+    """k from an exponential moving average e of accepted drafts (SGLang's adaptive speculation in
+    spirit; this exact rule is specsweep's own):
+
+    e starts at K0; each cycle drafts k = clip(floor(e + 1/2), 1, KMAX) (fewer where a lookup has
+    fewer); after a cycle that drafted d >= 1 tokens and had n accepted, x = n + 1 if n == d (all
+    accepted: the true run may be longer, so probe one further) else n, and e <- (1 - ALPHA) e +
+    ALPHA x. A cycle that drafted nothing (no lookup match) leaves e as it was."""
+    alpha: float = 0.5
+    kmax: int = 8
+
+    kind, syntax = "ema", "ema:METHOD:K0[:ALPHA[:KMAX]]"
+    drafts_k = free_empty_lookup = True
+
+    @property
+    def name(self):
+        tail = "" if (self.alpha, self.kmax) == (0.5, 8) else f":{self.alpha:g}:{self.kmax}"
+        return f"ema:{self.methods[0]}:{self.k}{tail}"
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if not 2 <= len(args) <= 4:
+            return None
+        alpha = float(args[2]) if len(args) > 2 else 0.5
+        kmax = _draft_length(spec, args[3]) if len(args) > 3 else 8
+        k0 = _draft_length(spec, args[1])
+        if not 0 < alpha <= 1 or k0 > kmax:
+            raise PolicyError(f"policy {spec!r}: need 0 < ALPHA <= 1 and K0 <= KMAX")
+        return cls((args[0],), k0, alpha, kmax)
+
+    def begin(self, t, ctx):
+        return SimpleNamespace(e=float(self.k))
+
+    def choose(self, st, pos, avail):
+        return 0, min(max(int(math.floor(st.e + 0.5)), 1), self.kmax), (True,)
+
+    def observe(self, st, w, drafts, emitted):
+        if drafts == 0:
+            return
+        n = emitted - 1
+        x = n + 1 if n == drafts else n
+        st.e = (1 - self.alpha) * st.e + self.alpha * x
+
+    def tune_grid(self):
+        return [Ema(self.methods, self.k, a, km) for a in (0.125, 0.25, 0.5, 0.75, 1.0) for km in (4, 8)
+                if self.k <= km]
+
+
+@dataclass(frozen=True)
+class Goodput(Adaptive):
+    """Per cycle, the (method, k) with the most expected tokens per second, k = 0 (SD off: a plain
+    decode step) allowed. For each method and draft depth j it keeps a running estimate of
+    P(draft j accepted | drafts before it were), Beta(1, 1) prior: (accepted + 1) / (tried + 2),
+    from its own earlier cycles only. Expected tokens for k = 1 + sum_{j<=k} prod_{i<=j} p_i;
+    time = Context.step_time (the row's cycle in a batch of rows like it, switching included in the
+    faithful accounting). A lookup with recorded draft lengths runs every cycle to learn its
+    proposal length (and is charged for it); its k is at most that."""
+    kind, syntax = "goodput", "goodput:M1+M2[+...]:KMAX"
+    drafts_k = switches = batch_aware = True
+
+    @classmethod
+    def from_args(cls, spec, args):
+        return cls(_methods(spec, args[0]), _draft_length(spec, args[1])) if len(args) == 2 else None
+
+    def begin(self, t, ctx):
+        W = len(self.methods)
+        return SimpleNamespace(ctx=_need_context(self, ctx), P=t.prompt_len, tried=np.zeros((W, self.k)),
+                               acc=np.zeros((W, self.k)), prev=None)
+
+    def choose(self, st, pos, avail):
+        # lookups with recorded proposal lengths run every cycle, to know what they can propose
+        consult = tuple(j for j, a in enumerate(avail) if a is not None and is_lookup(self.methods[j]))
+        prev = st.prev if st.prev is not None else 0
+        best = (1.0 / st.ctx.step_time(self, prev, 0, pos, st.P, False, consult), prev, 0)  # k = 0 keeps the drafter
+        p = (st.acc + 1) / (st.tried + 2)
+        surv = np.cumprod(p, axis=1)
+        for w in range(len(self.methods)):
+            kmax = self.k if avail[w] is None else min(self.k, avail[w])
+            for k in range(1, kmax + 1):
+                rate = (1 + surv[w, :k].sum()) / st.ctx.step_time(self, w, k, pos, st.P, st.prev is not None and
+                                                                  w != st.prev, consult)
+                if rate > best[0]:
+                    best = (rate, w, k)
+        _, w, k = best
+        st.prev = w
+        return w, k, tuple(j == w and k > 0 or j in consult for j in range(len(self.methods)))
+
+    def observe(self, st, w, drafts, emitted):
+        n = emitted - 1
+        st.tried[w, :min(n + 1, drafts)] += 1  # depths 1..n accepted, depth n + 1 tried and rejected
+        st.acc[w, :n] += 1
+
+
+@dataclass(frozen=True)
+class Ucb(Adaptive):
+    """UCB1 over arms (method, k): every arm once in order, then the arm with the largest
+    mean reward + sqrt(2 ln N / n_arm) (N cycles so far, n_arm the arm's). Reward of a cycle =
+    (tokens emitted / its time) x (a plain step's time at that position) / (max k + 1): its speedup
+    over a plain step scaled into [0, 1], times from Context.step_time (switching included in the
+    faithful accounting). A lookup arm drafts at most what the lookup has (draft_len)."""
+    ks: tuple[int, ...] = ()
+
+    kind, syntax = "ucb", "ucb:M1+M2[+...]:K1,K2,..."
+    switches = batch_aware = True
+
+    @property
+    def name(self):
+        return f"ucb:{'+'.join(self.methods)}:{','.join(map(str, self.ks))}"
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if len(args) != 2:
+            return None
+        return cls(_methods(spec, args[0]), 0, tuple(_draft_length(spec, k) for k in args[1].split(",")))
+
+    def begin(self, t, ctx):
+        arms = [(w, k) for w in range(len(self.methods)) for k in self.ks]
+        return SimpleNamespace(ctx=_need_context(self, ctx), P=t.prompt_len, arms=arms, n=np.zeros(len(arms)),
+                               mean=np.zeros(len(arms)), last=None, prev=None)
+
+    def choose(self, st, pos, avail):
+        unplayed = np.flatnonzero(st.n == 0)
+        if len(unplayed):
+            a = int(unplayed[0])
+        else:
+            a = int(np.argmax(st.mean + np.sqrt(2 * math.log(st.n.sum()) / st.n)))
+        w, k = st.arms[a]
+        drafts = k if avail[w] is None else min(k, avail[w])
+        switch = st.prev is not None and w != st.prev
+        st.last = (a, st.ctx.step_time(self, w, drafts, pos, st.P, switch) / st.ctx.step_time(self, w, 0, pos, st.P))
+        st.prev = w
+        return w, k, tuple(j == w for j in range(len(self.methods)))
+
+    def observe(self, st, w, drafts, emitted):
+        a, rel_time = st.last
+        r = emitted / rel_time / (max(self.ks) + 1)
+        st.n[a] += 1
+        st.mean[a] += (r - st.mean[a]) / st.n[a]
+
+
+@dataclass(frozen=True)
+class Schedule(Adaptive):
+    """An engine's static schedule: k = K_i of the largest B_i <= the batch size (the first entry's
+    below B_1); nothing adapts within a request."""
+    table: tuple[tuple[int, int], ...] = ()
+
+    kind, syntax = "schedule", "schedule:METHOD:B1=K1,B2=K2,..."
+    batch_aware = free_empty_lookup = True
+
+    @property
+    def name(self):
+        return f"schedule:{self.methods[0]}:{','.join(f'{b}={k}' for b, k in self.table)}"
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if len(args) != 2 or "=" not in args[1]:
+            return None
+        table = []
+        for item in args[1].split(","):
+            b, _, k = item.partition("=")
+            if int(b) < 1:
+                raise PolicyError(f"policy {spec!r}: batch size {b} is not valid; use >= 1")
+            table.append((int(b), _draft_length(spec, k)))
+        return cls((args[0],), 0, tuple(sorted(table)))
+
+    def k_for(self, batch_size: int) -> int:
+        fits = [k for b, k in self.table if b <= batch_size]
+        return fits[-1] if fits else self.table[0][1]
+
+    def begin(self, t, ctx):
+        return SimpleNamespace(k=self.k_for(_need_context(self, ctx).batch_size))
+
+    def choose(self, st, pos, avail):
+        return 0, st.k, (True,)
