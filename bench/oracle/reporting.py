@@ -14,9 +14,15 @@ def summary_markdown(df, cost: CostModel) -> str:
            "total speculative throughput / total baseline throughput")
     lines = [f"# Oracle analysis ({cost.name})", "", f"Cost model: {cost.source or cost.name}.", "",
              f"Batches: {how}. Single-method policies are charged the same in both accountings.", ""]
-    for ds, g in df.groupby("dataset"):
+    if "half" in df and (df.half == "score").any():
+        lines += ["Tuned (--tune): parameters fitted on one half of the sampled requests, every row scored on the "
+                  "other half (half = score).", ""]
+    charges = df.neural_draft_charge.unique() if "neural_draft_charge" in df else [None]
+    for (ds, charge), g in df.groupby(["dataset", "neural_draft_charge"] if len(charges) > 1 else
+                                      ["dataset", df.dataset.map(lambda _: None)], dropna=False):
         piv = g.pivot_table(index=["policy", "accounting"], columns="batch_size", values="speedup")
-        lines += [f"## {ds}", "", "| policy | accounting | " + " | ".join(f"B={b}" for b in piv.columns) + " |",
+        title = ds if len(charges) == 1 else f"{ds} (neural drafts charged per {charge})"
+        lines += [f"## {title}", "", "| policy | accounting | " + " | ".join(f"B={b}" for b in piv.columns) + " |",
                   "|---|---|" + "---|" * len(piv.columns)]
         for (pol, acc), r in piv.iterrows():
             lines.append(f"| {pol} | {acc} | " + " | ".join(f"{v:.2f}" for v in r.values) + " |")
@@ -47,8 +53,33 @@ def summary_markdown(df, cost: CostModel) -> str:
                     lines.append(f"The realizable rule {best_real.policy} reaches {r:.2f}x: it closes "
                                  f"{100 * (r - best_fixed.speedup) / gap:.0f}% of the gap between {best_fixed.policy} and the "
                                  "optimistic combined bound.")
+        lines += _against_dp(g)
         lines.append("")
     return "\n".join(lines)
+
+
+def _against_dp(g) -> list[str]:
+    """The realizable policies against the dp bound: speedup and gap_closed per batch size and
+    accounting (gap_closed = (policy - best fixed) / (dp - best fixed))."""
+    if "gap_closed" not in g or not (g.kind == "dp").any():
+        return []
+    show = g[(g.realizable & (g.kind != "fixed")) | (g.kind == "dp")]
+    lines = ["", "Realizable policies against the dp bound (speedup, gap_closed = (policy - best fixed) / "
+             "(dp - best fixed); dp above batch 1 is approximate):", "",
+             "| batch | accounting | best fixed | dp | " + " | ".join(sorted(set(show.policy) - set(g.policy[g.kind == 'dp'])))
+             + " |"]
+    pols = sorted(set(show.policy) - set(g.policy[g.kind == "dp"]))
+    lines.append("|---|---|---|---|" + "---|" * len(pols))
+    for (b, acc), h in g.groupby(["batch_size", "accounting"]):
+        fixed = h[h.kind == "fixed"]
+        best = f"{fixed.policy.loc[fixed.speedup.idxmax()]} {fixed.speedup.max():.2f}" if len(fixed) else "-"
+        dp = h[h.kind == "dp"].speedup.max()
+        cells = []
+        for p in pols:
+            r = h[h.policy == p]
+            cells.append("n/a" if not len(r) else f"{r.speedup.iloc[0]:.2f} ({r.gap_closed.iloc[0]:+.2f})")
+        lines.append(f"| {b} | {acc} | {best} | {dp:.2f}{'~' if b > 1 else ''} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(df, out: Path) -> Path:
