@@ -363,16 +363,12 @@ def add_gap_closed(df):
     """gap_closed = (speedup - best fixed) / (dp - best fixed) per dataset, batch size, accounting
     (and draft charge, half): best fixed is the best fixed:M:K row of the group, dp its best dp row.
     NaN where the group has no fixed or no dp row, or dp does not beat the best fixed."""
-    if not len(df):
-        return df.assign(gap_closed=[])
-    def per_group(g):
-        fixed = g.speedup[g.kind == "fixed"]
-        dp = g.speedup[g.kind == "dp"]
-        if not len(fixed) or not len(dp) or dp.max() - fixed.max() <= 1e-12:
-            return g.speedup * float("nan")
-        return (g.speedup - fixed.max()) / (dp.max() - fixed.max())
     df = df.copy()
-    df["gap_closed"] = df.groupby(GAP_KEYS, dropna=False, group_keys=False)[["speedup", "kind"]].apply(per_group)
+    keys = [df[k].fillna("") for k in GAP_KEYS]
+    best_fixed = df.speedup.where(df.kind == "fixed").groupby(keys).transform("max")
+    dp = df.speedup.where(df.kind == "dp").groupby(keys).transform("max")
+    gap = dp - best_fixed
+    df["gap_closed"] = ((df.speedup - best_fixed) / gap).where(gap > 1e-12)
     return df
 
 
