@@ -5,26 +5,46 @@ generated position i would emit under m (accepted + 1). A policy walks each requ
 i it proposes `input_len` tokens to verify (drafts + 1), emits min(acc_len, input_len), and moves
 on; the cost model (bench/costmodel.py) times every cycle's verify and drafting.
 
-Policies (policies.py, one class each, POLICIES maps a spec's kind to its class):
-fixed:M:K, oracle:M, combined:M+N[+...], fallback:CHEAP+NEURAL:K (realizable) and
-randmatch:M:K[:P] (the published random n-gram match model); optimistic and faithful accounting.
+Policies (policies.py, adaptive.py, dp.py; one class each, POLICIES maps a spec's kind to its class):
+- fixed:M:K, oracle:M, combined:M+N[+...], fallback:CHEAP+NEURAL:K (realizable) and
+  randmatch:M:K[:P] (the published random n-gram match model);
+- realizable adaptive rules (adaptive.py; they see only the past: tokens so far, their own cycles'
+  outcomes, a lookup's proposal length at the current position where the trace records draft_len):
+  match:CHEAP+NEURAL:M:KC:KN  the lookup at min(its proposal, KC) where it proposes >= M tokens,
+                              else the neural drafter at KN (n/a on traces without the lookup's draft_len);
+  ema:METHOD:K0[:ALPHA[:KMAX]]  k = clip(floor(e + 1/2), 1, KMAX), e an EMA (weight ALPHA, default
+                              0.5; KMAX 8) of accepted drafts, +1 when a cycle accepted them all;
+  goodput:M1+M2[+...]:KMAX    per cycle the (method, k in 0..KMAX) with the most expected tokens per
+                              second, from per-depth acceptance estimates (Beta(1, 1) prior) of its own cycles;
+  ucb:M1+M2[+...]:K1,K2,...   UCB1 over (method, k) arms, reward = speedup of the cycle over a plain step / (max k + 1);
+  schedule:METHOD:B1=K1,...   k by batch size (an engine's static schedule);
+- dp:M1[+M2...]:KMAX: the clairvoyant per-cycle bound (dynamic programming over positions; exact at
+  batch 1, approximate above: column approximate).
+Accountings optimistic and faithful; columns realizable and gap_closed = (policy - best fixed) /
+(dp - best fixed) per dataset, batch size and accounting; `--tune` fits match's M, KN and ema's
+ALPHA, KMAX on one half of the requests (tune_split, seed TUNE_SEED) and scores the other (half = score);
+a neural draft is charged per cycle or per head step (DraftCost.per, --neural-draft-charge).
 
 The package:
 - tracefile.py  Trace, TraceError, load_traces: the interchange format, read and checked;
-- policies.py   Policy, its subclasses, POLICIES, Policy.parse, default_policies;
+- policies.py   Policy, Context, the published policies, POLICIES, Policy.parse, default_policies;
+- adaptive.py   the realizable adaptive policies; dp.py the dp bound;
 - simulate.py   trajectory, request_times, simulate (repeat batches, as published),
-                simulate_randmatch, simulate_set (batches of different requests), run (the table);
+                simulate_randmatch, simulate_set (batches of different requests), run (the table),
+                tune_split, add_gap_closed;
 - reporting.py  summary_markdown, plot;
 - cli.py        main: specsweep-oracle, also python -m bench.oracle.
 """
 from .cli import main
-from .policies import POLICIES, Combined, Fallback, FixedK, OracleK, Policy, PolicyError, RandMatch, default_policies
+from .policies import (POLICIES, Combined, Context, Dp, Ema, Fallback, FixedK, Goodput, Match, OracleK, Policy,
+                       PolicyError, RandMatch, Schedule, Ucb, default_policies)
 from .reporting import plot, summary_markdown
-from .simulate import (PUBLISHED_MATCH_PROB, SAMPLE_SEED, Trajectory, request_times, run, sample_requests, simulate,
-                       simulate_randmatch, simulate_set, trajectory)
+from .simulate import (PUBLISHED_MATCH_PROB, SAMPLE_SEED, TUNE_SEED, Trajectory, add_gap_closed, request_times, run,
+                       sample_requests, simulate, simulate_randmatch, simulate_set, trajectory, tune_split)
 from .tracefile import Trace, TraceError, generated_len, load_traces
 
-__all__ = ["Combined", "Fallback", "FixedK", "OracleK", "POLICIES", "PUBLISHED_MATCH_PROB", "Policy", "PolicyError",
-           "RandMatch", "SAMPLE_SEED", "Trace", "TraceError", "Trajectory", "default_policies", "generated_len",
-           "load_traces", "main", "plot", "request_times", "run", "sample_requests", "simulate", "simulate_randmatch",
-           "simulate_set", "summary_markdown", "trajectory"]
+__all__ = ["Combined", "Context", "Dp", "Ema", "Fallback", "FixedK", "Goodput", "Match", "OracleK", "POLICIES",
+           "PUBLISHED_MATCH_PROB", "Policy", "PolicyError", "RandMatch", "SAMPLE_SEED", "Schedule", "TUNE_SEED", "Trace",
+           "TraceError", "Trajectory", "Ucb", "add_gap_closed", "default_policies", "generated_len", "load_traces", "main",
+           "plot", "request_times", "run", "sample_requests", "simulate", "simulate_randmatch", "simulate_set",
+           "summary_markdown", "trajectory", "tune_split"]

@@ -11,6 +11,8 @@ specs such as "fixed:eagle:3".
 - combined:M+N     per position, the best of several methods, each at oracle k;
 - fallback:M+N:K   realizable (no future knowledge): M (a lookup, e.g. n-gram) at K while its
                    previous cycle had a draft accepted, else N for one cycle;
+- match, ema, goodput, ucb, schedule: realizable adaptive rules (adaptive.py, its docstring);
+- dp:M1[+M2...]:KMAX  the clairvoyant per-cycle bound (dp.py);
 - randmatch:M:K[:P]  the published fixed-k n-gram model: where acc_len is 1 a copy of the request
                    finds a match with probability P (published per dataset), else proposes nothing
                    (simulated by simulate.simulate_randmatch, repeat batches only).
