@@ -23,8 +23,11 @@ def main(argv=None) -> int:
     ap.add_argument("--accounting", choices=["optimistic", "faithful", "both"], default="both")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     ap.add_argument("--policies", nargs="+", help="e.g. fixed:eagle:3 oracle:ngram combined:ngram+eagle "
-                    "fallback:ngram+eagle:3 randmatch:ngram:3 (default: fixed k=1,3,5 and oracle per method, combined, "
-                    "fallback; with --batch-mode repeat on a published dataset also randmatch k=1,3,5)")
+                    "fallback:ngram+eagle:3 randmatch:ngram:3 match:ngram+eagle:1:8:3 ema:eagle:3[:ALPHA[:KMAX]] "
+                    "goodput:ngram+eagle:8 ucb:ngram+eagle:1,3,5 schedule:eagle:1=5,32=3 dp:ngram+eagle:8 (default: "
+                    "fixed k=1,3,5 and oracle per method, combined, fallback; with --batch-mode repeat on a published "
+                    "dataset also randmatch k=1,3,5; then ema:M:3 per method, goodput, ucb, match where the traces "
+                    "have draft_len, and dp)")
     ap.add_argument("--requests", type=int, default=300, help="requests sampled per dataset (seed 42; published: 300)")
     ap.add_argument("--batch-mode", choices=["set", "repeat"], default="set",
                     help="set: B different requests per batch (default); repeat: one request repeated B times, the "

@@ -63,21 +63,22 @@ def _against_dp(g) -> list[str]:
     accounting (gap_closed = (policy - best fixed) / (dp - best fixed))."""
     if "gap_closed" not in g or not (g.kind == "dp").any():
         return []
-    show = g[(g.realizable & (g.kind != "fixed")) | (g.kind == "dp")]
+    # a tuned policy is shown under the spec it was tuned from, its fitted spec in its cell
+    label = g.tuned_from.fillna(g.policy) if "tuned_from" in g else g.policy
+    g = g.assign(label=label)
+    pols = sorted(set(g.label[g.realizable & ~g.kind.isin(["fixed", "dp"])]))
     lines = ["", "Realizable policies against the dp bound (speedup, gap_closed = (policy - best fixed) / "
-             "(dp - best fixed); dp above batch 1 is approximate):", "",
-             "| batch | accounting | best fixed | dp | " + " | ".join(sorted(set(show.policy) - set(g.policy[g.kind == 'dp'])))
-             + " |"]
-    pols = sorted(set(show.policy) - set(g.policy[g.kind == "dp"]))
-    lines.append("|---|---|---|---|" + "---|" * len(pols))
+             "(dp - best fixed); dp above batch 1 is approximate, marked ~):", "",
+             "| batch | accounting | best fixed | dp | " + " | ".join(pols) + " |", "|---|---|---|---|" + "---|" * len(pols)]
     for (b, acc), h in g.groupby(["batch_size", "accounting"]):
         fixed = h[h.kind == "fixed"]
         best = f"{fixed.policy.loc[fixed.speedup.idxmax()]} {fixed.speedup.max():.2f}" if len(fixed) else "-"
         dp = h[h.kind == "dp"].speedup.max()
         cells = []
         for p in pols:
-            r = h[h.policy == p]
-            cells.append("n/a" if not len(r) else f"{r.speedup.iloc[0]:.2f} ({r.gap_closed.iloc[0]:+.2f})")
+            r = h[h.label == p]
+            fitted = f" {r.policy.iloc[0]}" if len(r) and r.policy.iloc[0] != p else ""
+            cells.append("n/a" if not len(r) else f"{r.speedup.iloc[0]:.2f} ({r.gap_closed.iloc[0]:+.2f}){fitted}")
         lines.append(f"| {b} | {acc} | {best} | {dp:.2f}{'~' if b > 1 else ''} | " + " | ".join(cells) + " |")
     return lines
 

@@ -335,7 +335,8 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
                     fit, score = tune_split(traces, pol.methods, n_requests)
                     tuned = (_tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset)
                              if hasattr(pol, "tune_grid") else [pol] * len(batch_sizes))
-                    runs = [(c, sim(score, c, cost, [b], accounting, len(score), dataset), pol.name)
+                    template = pol.name if hasattr(pol, "tune_grid") else None
+                    runs = [(c, sim(score, c, cost, [b], accounting, len(score), dataset), template)
                             for c, b in zip(tuned, batch_sizes)]
                 else:
                     runs = [(pol, sim(traces, pol, cost, batch_sizes, accounting, n_requests, dataset), None)]
