@@ -184,7 +184,8 @@ def plot_speedup_vs_load(df, out: Path) -> Path | None:
     for ax, (kind, w) in zip(axes[0], panels):
         for (b, m), g in d[(d.load_kind == kind) & (d.workload == w)].groupby(["backend", "method"]):
             g = g.sort_values("load_level")
-            err = [g.tpot_speedup - g.tpot_speedup_low, g.tpot_speedup_high - g.tpot_speedup]
+            # the pooled ratio need not lie inside the repeats' own range: bars clipped at the point
+            err = [(g.tpot_speedup - g.tpot_speedup_low).clip(lower=0), (g.tpot_speedup_high - g.tpot_speedup).clip(lower=0)]
             ax.errorbar(g.load_level, g.tpot_speedup, yerr=err, marker="o", capsize=3, label=f"{b}/{m}")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set(title=f"{w}, load={kind}", xlabel="requests in flight" if kind == "concurrency" else "requests/s")

@@ -1,6 +1,5 @@
 """Adaptive realizable policies, the dp bound, gap_closed, the neural draft charge and --tune, on
 random and hand-made traces. Nothing here asserts a speed: only orderings a definition implies."""
-import itertools
 import json
 from dataclasses import dataclass, replace
 
