@@ -15,6 +15,17 @@ from bench.backend import Sampling
 from bench.cli import CONF_DIR
 
 
+def _wait_healthy(url: str, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,13 +68,7 @@ def llama_servers(tmp_path_factory):
                                  "-t", "2", "--metrics", "--no-repack"] + flags, stdout=log, stderr=subprocess.STDOUT)
         servers.append((proc, f"http://127.0.0.1:{port}"))
     for proc, url in servers:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        _wait_healthy(url)
         assert proc.poll() is None, (logs / "spec.log").read_text()[-2000:]
     yield [url for _, url in servers], servers
     for proc, _ in servers:
@@ -147,13 +152,7 @@ def test_a_deployment_that_dies_mid_run_is_an_engine_error_naming_it(llama_serve
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        _wait_healthy(url)
         b = OpenAIEndpointBackend({"path": "-"}, {"name": "ngram"}, 4, url=url, baseline_url=base_url)
         ids = [b.tokenize("def foo(x):\n    return x + 1\n")] * 2
         plan = LoadPlan("concurrency", max_rows=2, concurrency=2)
