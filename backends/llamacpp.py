@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, reject_unknown
+from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds,
+                           reject_unknown)
 
 from .cpu_probe import decide, file_identity, repack_mode, run_child
 from .processes import Worker
@@ -60,9 +61,7 @@ class LlamaCppConfig:
             raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null")
         if self.n_ctx < 256:
             raise ValueError(f"backend.n_ctx={self.n_ctx} is not valid; use 256 or more")
-        for name in ("startup_timeout_s", "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"backend.{name}={getattr(self, name)} is not valid; use a positive number of seconds")
+        check_positive_seconds(startup_timeout_s=self.startup_timeout_s, request_timeout_s=self.request_timeout_s)
 
 
 def weight_buffers(log_lines) -> dict[str, float]:

@@ -34,12 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.backend import Backend, BackendError, BatchOutput, EngineTimeout, LoadPlan, Sampling, reject_unknown
+from bench.backend import (Backend, BackendError, BatchOutput, EngineTimeout, LoadPlan, Sampling, check_positive_seconds,
+                           reject_unknown)
 
 from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, die_with_parent, free_port, stop
-from .serving import LLAMA_SERVER_COUNTERS, counter_delta, read_counters, serve_load, spec_counters
+from .serving import LLAMA_SERVER_COUNTERS, counter_delta, detokenize, read_counters, serve_load, spec_counters, tokenize
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
@@ -170,8 +171,7 @@ class LlamaServerBackend(Backend):
         self.k = num_speculative_tokens
         self.binary = find_binary(binary)
         self.model = resolve_gguf(model["path"])
-        if request_timeout_s <= 0:
-            raise ValueError(f"backend.request_timeout_s={request_timeout_s} is not valid; use a positive number of seconds")
+        check_positive_seconds(request_timeout_s=request_timeout_s)
         self.threads, self.ctx_per_slot, self.port, self.timeout = threads or 2, ctx_per_slot, port, startup_timeout_s
         self.request_timeout_s = request_timeout_s
         self.servers: dict[bool, LlamaServer] = {}  # the latest of each arm, from the Pool
@@ -221,20 +221,21 @@ class LlamaServerBackend(Backend):
         return read_counters(s.metrics_page(self.request_timeout_s), LLAMA_SERVER_COUNTERS.names())
 
     def tokenize(self, text: str) -> list[int]:
-        import httpx
-
-        s = self._server(False, 1)
-        r = httpx.post(s.url + "/tokenize", json={"content": text, "add_special": True}, timeout=30)
-        return r.json()["tokens"]
+        return tokenize(self._server(False, 1).url, text, None, "llama-server")
 
     def detokenize(self, ids) -> str:
-        import httpx
+        return detokenize(self._server(False, 1).url, ids, None, "llama-server")
 
-        s = self._server(False, 1)
-        return httpx.post(s.url + "/detokenize", json={"tokens": list(ids)}, timeout=30).json()["content"]
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+        return self._run(prompts, sampling, max_new_tokens, speculative, None)
 
-    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
-                 plan: LoadPlan | None = None) -> BatchOutput:
+    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
+        return self._run(prompts, sampling, max_new_tokens, speculative, plan)
+
+    def _run(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
+             plan: LoadPlan | None) -> BatchOutput:
+        """A static batch (plan None) or a load run; a server that stops answering (/metrics or
+        /completion) is an EngineTimeout with its log's tail."""
         import httpx
 
         try:
@@ -252,15 +253,12 @@ class LlamaServerBackend(Backend):
             return {"ttft_source": "client", "emit_granularity": "none"}
         return super().latency_contract()
 
-    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
-        return self.generate(prompts, sampling, max_new_tokens, speculative, plan)
-
     def _generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
-                  plan: LoadPlan | None = None) -> BatchOutput:
+                  plan: LoadPlan | None) -> BatchOutput:
         spec = speculative and self.method["name"] != "autoregressive"
         loaded = plan is not None
         self._served_load = self._served_load or loaded
-        plan = plan or LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts))  # a static batch
+        plan = plan or LoadPlan.batch(len(prompts))
         s = self._server(spec, plan.max_rows)  # -np: one slot per row the load may run at once
         before = self._counters(s)
         top2 = sampling.temperature == 0 and not spec  # greedy baselines: the margins of the lossless check

@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from bench.backend import Backend, BackendError, BatchOutput, LoadPlan, Sampling, SettingError, reject_unknown
+from bench.backend import Backend, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds, reject_unknown
 
-from .serving import LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, read_counters, serve_load, spec_counters
+from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, read_counters, serve_load,
+                      spec_counters, tokenize)
 
 PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -44,9 +45,7 @@ class EndpointConfig:
         if self.url == self.baseline_url:
             raise ValueError(f"backend.url and backend.baseline_url are both {self.url}: the baseline must be the same "
                              "model served without speculation, at its own URL")
-        for key in ("request_timeout_s", "connect_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use a positive number of seconds")
+        check_positive_seconds(request_timeout_s=self.request_timeout_s, connect_timeout_s=self.connect_timeout_s)
 
 
 class Endpoint:
@@ -95,25 +94,11 @@ class Endpoint:
         page = self.metrics_page() if self.counter_names else None
         return read_counters(page, self.counter_names.names()) if page else {}
 
-    def post(self, path: str, body: dict) -> dict:
-        import httpx
-
-        try:
-            r = httpx.post(self.url + path, json=body, timeout=60)
-        except httpx.HTTPError as e:
-            raise BackendError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
-        if r.status_code != 200:
-            raise BackendError(f"{self.url}{path} answered {r.status_code}: {r.text[:300]}")
-        return r.json()
-
     def tokenize(self, text: str) -> list[int]:
-        if self.llama:
-            return self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
-        return self.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": True})["tokens"]
+        return tokenize(self.url, text, self.model, f"the server at {self.url}")
 
     def detokenize(self, ids) -> str:
-        got = self.post("/detokenize", {"tokens": list(ids), **({} if self.llama else {"model": self.model})})
-        return got["content"] if self.llama else got["prompt"]
+        return detokenize(self.url, ids, self.model, f"the server at {self.url}")
 
 
 class OpenAIEndpointBackend(Backend):
@@ -149,8 +134,7 @@ class OpenAIEndpointBackend(Backend):
         return self.servers[False].detokenize(ids)
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
-        return self.serve(prompts, sampling, max_new_tokens, speculative,
-                          LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts)))
+        return self.serve(prompts, sampling, max_new_tokens, speculative, LoadPlan.batch(len(prompts)))
 
     def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
         spec = speculative and self.method.get("speculative", True)

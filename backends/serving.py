@@ -206,9 +206,37 @@ def serve_load(protocol: str, url: str, prompts, sampling: Sampling, max_new_tok
 def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tokens: int, timeout_s: float,
                engine: str, log_tail: Callable[[], str] = lambda: "", **fields) -> tuple[list[RequestOutput], float]:
     """A static batch: every request sent at once (concurrency = batch size)."""
-    return serve_load(protocol, url, prompts, sampling, max_new_tokens,
-                      LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts)), timeout_s, engine,
+    return serve_load(protocol, url, prompts, sampling, max_new_tokens, LoadPlan.batch(len(prompts)), timeout_s, engine,
                       log_tail, **fields)
+
+
+# --- tokenizing on the server, in its dialect -----------------------------------------------------
+
+def _post_json(url: str, path: str, body: dict, engine: str, timeout_s: float = 60.0) -> dict:
+    import httpx
+
+    try:
+        r = httpx.post(url + path, json=body, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise BackendError(f"{engine}: {url}{path}: {type(e).__name__}: {e}") from e
+    if r.status_code != 200:
+        raise BackendError(f"{engine} answered {path} with {r.status_code}: {r.text[:400]}")
+    return r.json()
+
+
+def tokenize(url: str, text: str, model: str | None, engine: str) -> list[int]:
+    """The server's own /tokenize, special tokens added: llama-server's dialect (model None:
+    content, add_special) or vLLM's (prompt, add_special_tokens, the served model's name)."""
+    if model is None:
+        return _post_json(url, "/tokenize", {"content": text, "add_special": True}, engine)["tokens"]
+    return _post_json(url, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": True}, engine)["tokens"]
+
+
+def detokenize(url: str, ids, model: str | None, engine: str) -> str:
+    """The server's own /detokenize, in the same two dialects as tokenize."""
+    if model is None:
+        return _post_json(url, "/detokenize", {"tokens": list(ids)}, engine)["content"]
+    return _post_json(url, "/detokenize", {"model": model, "tokens": list(ids)}, engine)["prompt"]
 
 
 # --- one Prometheus counter reader ---------------------------------------------------------------

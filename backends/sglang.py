@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds
 
 from .processes import Pool, ServerProcess, Worker, cli_flags
 from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, sglang_output,
@@ -66,9 +66,7 @@ class SGLangConfig:
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"backend.mem_fraction_static={self.mem_fraction_static} is not valid; use a share of GPU "
                              "memory in (0, 1) for weights and KV cache")
-        for key in ("startup_timeout_s", "request_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use a positive number of seconds")
+        check_positive_seconds(startup_timeout_s=self.startup_timeout_s, request_timeout_s=self.request_timeout_s)
         for key in ("context_length", "max_running_requests"):
             if getattr(self, key) < 1:
                 raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use 1 or more")

@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters
+from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds
 
 from .processes import Pool, Worker
 from .serving import VLLM_COUNTERS, CounterNames, counter_delta, spec_counters
@@ -48,9 +48,7 @@ class VLLMConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"backend.gpu_memory_utilization={self.gpu_memory_utilization} is not valid; use a share "
                              "in (0, 1] (on CPU it is the share of RAM vLLM reserves for its KV cache)")
-        for key in ("startup_timeout_s", "request_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use a positive number of seconds")
+        check_positive_seconds(startup_timeout_s=self.startup_timeout_s, request_timeout_s=self.request_timeout_s)
         for key in ("max_model_len", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"backend.{key}={getattr(self, key)} is not valid; use 1 or more")

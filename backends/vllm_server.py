@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.backend import BackendError, BatchOutput, LoadPlan, Sampling
+from bench.backend import BatchOutput, LoadPlan, Sampling
 
 from .processes import ServerProcess, cli_flags
-from .serving import VLLM_COUNTERS, read_counters, serve_load
+from .serving import VLLM_COUNTERS, detokenize, read_counters, serve_load, tokenize
 from .vllm import VLLMBackend, _delta, plugin_env
 
 def spec_counters_from_metrics(text: str) -> dict:
@@ -37,14 +37,6 @@ class VLLMServer(ServerProcess):
         super().__init__(lambda port: [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
                                        str(port)] + cli_flags(kw), log, timeout_s, "vLLM's server", plugin_env)
 
-    def post(self, path: str, body: dict, timeout: float = 60.0) -> dict:
-        import httpx
-
-        r = httpx.post(self.url + path, json={"model": self.model, **body}, timeout=timeout)
-        if r.status_code != 200:
-            raise BackendError(f"vLLM's server answered {path} with {r.status_code}: {r.text[:400]}")
-        return r.json()
-
     def counters(self) -> dict:
         return spec_counters_from_metrics(self.metrics_page())
 
@@ -58,14 +50,15 @@ class VLLMServerBackend(VLLMBackend):
         return VLLMServer(self.python, kw, log, self.cfg.startup_timeout_s)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._engine(False, 1).post("/tokenize", {"prompt": text, "add_special_tokens": True})["tokens"]
+        s = self._engine(False, 1)
+        return tokenize(s.url, text, s.model, "vLLM's server")
 
     def detokenize(self, ids) -> str:
-        return self._engine(False, 1).post("/detokenize", {"tokens": list(ids)})["prompt"]
+        s = self._engine(False, 1)
+        return detokenize(s.url, ids, s.model, "vLLM's server")
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
-        return self.serve(prompts, sampling, max_new_tokens, speculative,
-                          LoadPlan("concurrency", max_rows=len(prompts), concurrency=len(prompts)))
+        return self.serve(prompts, sampling, max_new_tokens, speculative, LoadPlan.batch(len(prompts)))
 
     def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
         spec = speculative and self.spec is not None

@@ -96,6 +96,18 @@ class LoadPlan:
     concurrency: int | None = None
     arrivals_s: list[float] | None = None
 
+    @classmethod
+    def batch(cls, n: int) -> "LoadPlan":
+        """A static batch as a plan: all n requests submitted at once, n rows."""
+        return cls("concurrency", max_rows=n, concurrency=n)
+
+
+def check_positive_seconds(**values) -> None:
+    """Each named backend setting is a positive number of seconds, else a ValueError naming it."""
+    for key, value in values.items():
+        if value <= 0:
+            raise ValueError(f"backend.{key}={value} is not valid; use a positive number of seconds")
+
 
 def reject_unknown(settings: dict, valid, backend: str) -> None:
     """A backend setting nobody reads is a typo (or a `+key=` Hydra suggested): refused, with the
