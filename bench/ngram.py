@@ -6,11 +6,12 @@ import numpy as np
 
 
 def ngram_lookup(seq, k: int, min_ngram: int = 1, max_ngram: int = 3, prefer_recent: bool = True,
-                 min_hits: int = 1) -> list[int]:
+                 min_hits: int = 1, with_match_len: bool = False):
     """Find an earlier occurrence of the context's last n tokens (n from max_ngram down to
     min_ngram) and return the up to k tokens that followed it. prefer_recent takes the latest
     match (llama.cpp's ngram-simple) rather than the earliest (transformers' prompt lookup);
-    min_hits asks that the n-gram occurred at least that often."""
+    min_hits asks that the n-gram occurred at least that often. with_match_len: (tokens, n), n the
+    length of the context suffix that matched (0: no match, no tokens)."""
     arr = np.asarray(seq, dtype=np.int64)
     L = len(arr)
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
@@ -21,8 +22,77 @@ def ngram_lookup(seq, k: int, min_ngram: int = 1, max_ngram: int = 3, prefer_rec
         if len(hits) < min_hits:
             continue
         start = int(hits[-1] if prefer_recent else hits[0]) + n
-        return arr[start : start + k].tolist()
-    return []
+        out = arr[start : start + k].tolist()
+        return (out, n) if with_match_len else out
+    return ([], 0) if with_match_len else []
+
+
+def replay_lookup(seq, first: int, k: int, min_ngram: int = 1, max_ngram: int = 3, prefer_recent: bool = True,
+                  min_hits: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ngram_lookup(seq[:L], k, ..., with_match_len=True) for every context length L = first ..
+    len(seq), in one pass (the same results, a test checks it; ngram_lookup per position costs a
+    scan of the whole context, this a dictionary step): arrays over L of where the proposal starts
+    in seq, how many tokens it has (0: no match) and the match length n.
+
+    For each n it keeps, per n-gram, its first and last start and its count among the n-grams
+    that end before the context's last token (an occurrence with a continuation, as ngram_lookup
+    counts them); the context's own suffix is then looked up in that table."""
+    arr = [int(x) for x in seq]
+    N = len(arr)
+    if min_ngram < 1 or max_ngram < min_ngram:
+        raise ValueError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min_ngram <= max_ngram")
+    if not 1 <= first <= N:
+        raise ValueError(f"first={first}: the first context length must be in 1..{N}")
+    ns = range(max_ngram, min_ngram - 1, -1)
+    seen: dict[int, dict[tuple, list[int]]] = {n: {} for n in ns}  # n -> n-gram -> [first start, last start, count]
+    out_start = np.zeros(N - first + 1, dtype=np.int64)
+    out_len = np.zeros(N - first + 1, dtype=np.int64)
+    out_n = np.zeros(N - first + 1, dtype=np.int64)
+
+    def add(n, s):
+        key = tuple(arr[s : s + n])
+        e = seen[n].get(key)
+        if e is None:
+            seen[n][key] = [s, s, 1]
+        else:
+            e[1], e[2] = s, e[2] + 1
+
+    for L in range(1, N + 1):
+        for n in ns:  # the n-gram ending at L - 2 is now an occurrence with a continuation (token L - 1)
+            if L - 1 - n >= 0:
+                add(n, L - 1 - n)
+        if L < first:
+            continue
+        j = L - first
+        for n in ns:
+            if n > L - 1:
+                continue
+            e = seen[n].get(tuple(arr[L - n : L]))
+            if e is None or e[2] < max(min_hits, 1):
+                continue
+            start = (e[1] if prefer_recent else e[0]) + n
+            out_start[j], out_len[j], out_n[j] = start, min(k, L - start), n
+            break
+    return out_start, out_len, out_n
+
+
+def lookup_trace(prompt, generated, k: int, **knobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The lookup replayed over a finished generation (replay_lookup), per generated position i (a
+    cycle starting after generated[:i+1]): acc_len (tokens it would emit: its accepted proposal + 1,
+    never past the end), draft_len (tokens proposed, 0 without a match) and match_len (the context
+    suffix it matched, 0 without one)."""
+    seq = [int(x) for x in prompt] + [int(x) for x in generated]
+    P, G = len(prompt), len(generated)
+    acc = np.ones(G, dtype=np.int64)
+    if G == 0:
+        return acc, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    start, drafted, matched = replay_lookup(seq, P + 1, k, **knobs)  # context lengths P + 1 .. P + G
+    for i in range(G):
+        m = 0
+        while m < drafted[i] and P + i + 1 + m < P + G and seq[start[i] + m] == seq[P + i + 1 + m]:
+            m += 1
+        acc[i] = min(m + 1, G - i)
+    return acc, drafted, matched
 
 
 def acceptance_lengths_from_predictions(generated, predicted_next, k: int) -> np.ndarray:

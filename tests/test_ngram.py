@@ -43,3 +43,40 @@ def test_bad_knobs_are_clear_errors():
         NgramDrafter(k=3, min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="min_hits"):
         NgramDrafter(k=3, min_hits=0)
+
+
+def test_the_match_length_is_that_of_the_suffix_that_matched():
+    from bench.ngram import ngram_lookup
+
+    seq = [5, 6, 7, 1, 2, 5, 6, 7, 3, 4, 9, 5, 6, 7]
+    assert ngram_lookup(seq, 3, 1, 3, with_match_len=True) == ([3, 4, 9], 3)
+    assert ngram_lookup([8, 1, 2, 9, 4, 3, 9], 2, 1, 3, with_match_len=True) == ([4, 3], 1)
+    assert ngram_lookup([1, 2, 3, 4], 3, with_match_len=True) == ([], 0)
+    assert ngram_lookup(seq, 3, 1, 3) == [3, 4, 9]  # without the flag: the tokens, as before
+
+
+def test_replaying_the_lookup_in_one_pass_equals_it_at_every_prefix():
+    """replay_lookup (one dictionary pass) against ngram_lookup on every prefix, over random
+    sequences of small vocabularies (many repeats, ties, several hits) and every knob."""
+    import numpy as np
+
+    from bench.ngram import ngram_lookup, replay_lookup
+
+    rng = np.random.default_rng(0)
+    checked = matched = 0
+    for trial in range(60):
+        seq = rng.integers(0, int(rng.integers(2, 9)), int(rng.integers(2, 90))).tolist()
+        lo = int(rng.integers(1, 4))
+        knobs = dict(min_ngram=lo, max_ngram=lo + int(rng.integers(0, 5)), prefer_recent=bool(trial % 2),
+                     min_hits=int(rng.integers(1, 4)))
+        k, first = int(rng.integers(1, 9)), int(rng.integers(1, len(seq) + 1))
+        start, n_tok, n_match = replay_lookup(seq, first, k, **knobs)
+        for L in range(first, len(seq) + 1):
+            j = L - first
+            toks, n = ngram_lookup(seq[:L], k, with_match_len=True, **knobs)
+            assert (seq[start[j] : start[j] + n_tok[j]], int(n_match[j])) == (toks, n), (trial, L)
+            checked += 1
+            matched += n > 0
+    assert checked > 1000 and 0.2 < matched / checked < 1  # both outcomes well covered
+    with pytest.raises(ValueError, match="min_ngram=3, max_ngram=2"):
+        replay_lookup([1, 2, 3], 1, 2, min_ngram=3, max_ngram=2)
