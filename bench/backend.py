@@ -171,13 +171,16 @@ class Backend(abc.ABC):
         cycles (if traced) with batch_rows the rows each verify served."""
         raise NotImplementedError(f"backend {self.name} serves no load but static batches")
 
-    def draft_predictions(self, sequences: list[list[int]]) -> tuple[list[list[int]], str] | None:
+    def draft_predictions(self, sequences: list[list[int]], with_probs: bool = False) -> tuple | None:
         """Teacher forcing, for acceptance traces: for each token sequence, the configured drafter's
         greedy prediction of every token given the true prefix (index t predicts sequences[t];
         index 0 is unused), or, for drafters whose later drafts depend on their own earlier ones
         (EAGLE heads), a [len, k] array whose row t is the k-token chain drafted for tokens t, t+1,
-        ...; and a note on how exact that is. None when the engine or method cannot; the trace
-        builder then says the method is unavailable."""
+        ...; and a note on how exact that is: (predictions, note). with_probs: (predictions, note,
+        probabilities), the last shaped like the predictions, the drafter's probability of each
+        predicted token (its softmax at the chosen token; NaN where nothing is predicted), or None
+        in that place where the engine cannot give them. None when the engine or method cannot
+        predict at all; the trace builder then says the method is unavailable."""
         return None
 
     @classmethod

@@ -3,9 +3,13 @@ generations, in the interchange format of SpecDecode-Bench's simulator (one JSON
 id, prompt_token_ids, generated_token_ids, acc_<method>: {"acc_len": [...]}).
 
 acc_len_m[i] = tokens a cycle starting after generated[:i+1] would emit under method m with draft
-length k (accepted + 1). n-gram methods need only the tokens; neural drafters need one
-teacher-forced pass of the drafter over each sequence (see Backend.draft_predictions). One
-baseline generation serves every method.
+length k (accepted + 1). bench/ngram.py's lookup (a method whose config sets its knobs:
+replayed_lookup) needs only the tokens, and its traces also record draft_len[i] (tokens it
+proposes there, 0 without a match) and match_len[i] (the length of the context suffix it
+matched, 0 without one). Neural drafters need one teacher-forced pass of the drafter over each
+sequence (see Backend.draft_predictions); where the engine gives the drafter's probabilities,
+draft_prob[i] lists the drafter's probability of each draft a cycle at i proposes (what a
+confidence-threshold rule reads). One baseline generation serves every method.
 """
 from __future__ import annotations
 
@@ -19,26 +23,46 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from .backend import instantiate_backend
-from .ngram import acceptance_lengths_from_chains, acceptance_lengths_from_predictions, ngram_lookup
+from .methods import drafter_kind
+from .ngram import acceptance_lengths_from_chains, acceptance_lengths_from_predictions, lookup_trace
 
 NGRAM_KEYS = ("min_ngram", "max_ngram", "prefer_recent", "min_hits")
 
 
-def ngram_acc_len(prompt, generated, k: int, with_draft_len: bool = False, **knobs):
-    """acc_len per generated position (and, with_draft_len, how many tokens the lookup proposed)."""
-    seq = list(prompt) + list(generated)
-    P, G = len(prompt), len(generated)
-    out = np.ones(G, dtype=np.int64)
-    drafted = np.zeros(G, dtype=np.int64)
+def ngram_acc_len(prompt, generated, k: int, with_draft_len: bool = False, with_match_len: bool = False, **knobs):
+    """acc_len per generated position (and, with_draft_len, how many tokens the lookup proposed;
+    with_match_len, the length of the context suffix it matched, 0 where none): bench/ngram.py's
+    lookup_trace."""
+    acc, drafted, matched = lookup_trace(prompt, generated, k, **knobs)
+    extra = ([drafted] if with_draft_len else []) + ([matched] if with_match_len else [])
+    return (acc, *extra) if extra else acc
+
+
+def replayed_lookup(method: dict) -> dict | None:
+    """The knobs of bench/ngram.py's lookup when a method is that lookup, else None. Declared by
+    the method's config: a drafter of kind lookup that sets every knob of ngram_lookup (NGRAM_KEYS,
+    as conf/method/ngram.yaml does) is replayed over the tokens, no engine needed; other lookups
+    (llama-server's n-gram maps and caches, suffix trees) are their engines' own and are not."""
+    if drafter_kind(method) != "lookup" or not set(NGRAM_KEYS) <= set(method):
+        return None
+    return {key: method[key] for key in NGRAM_KEYS}
+
+
+def cycle_draft_probs(probs, k: int, chains: bool) -> list[list[float]]:
+    """Per generated position i, the drafter's probability of each draft a cycle starting there
+    proposes (draft j of k predicts generated[i + j]; never past the generation, so row i has
+    min(k, G - 1 - i) values). probs is over the generated positions: for predictions, probs[t]
+    is that of the prediction of generated[t] (draft j of the cycle at i is probs[i + j]); for
+    chains, probs[t] is the row of the chain drafted for generated[t], t + 1, ... (the cycle at i
+    drafts chain t = i + 1). Teacher-forced: exact up to the first wrong draft of a cycle; after
+    it the drafter would have seen its own draft, not the true token."""
+    G = len(probs)
+    out = []
     for i in range(G):
-        prop = ngram_lookup(seq[: P + i + 1], k, **knobs)
-        drafted[i] = len(prop)
-        truth = generated[i + 1 : i + 1 + len(prop)]
-        m = 0
-        while m < len(truth) and prop[m] == truth[m]:
-            m += 1
-        out[i] = min(m + 1, G - i)
-    return (out, drafted) if with_draft_len else out
+        n = min(k, G - 1 - i)
+        row = [] if n == 0 else probs[i + 1][:n] if chains else probs[i + 1 : i + 1 + n]
+        out.append([round(float(x), 6) for x in row])
+    return out
 
 
 def method_config(name: str, job_cfg) -> dict:
@@ -70,29 +94,35 @@ def build_traces(job_dir: Path, methods: list[str], k: int | None = None) -> tup
     notes = {}
     for name in methods:
         mcfg = method_config(name, cfg)
-        if name == "ngram":
-            knobs = {key: mcfg[key] for key in NGRAM_KEYS if key in mcfg}
+        knobs = replayed_lookup(mcfg)
+        if knobs is not None:
             for r in rows:
-                acc, drafted = ngram_acc_len(r["prompt_token_ids"], r["generated_token_ids"], k, with_draft_len=True, **knobs)
-                r["acc_ngram"] = {"acc_len": acc.tolist(), "draft_len": drafted.tolist()}
+                acc, drafted, matched = ngram_acc_len(r["prompt_token_ids"], r["generated_token_ids"], k,
+                                                      with_draft_len=True, with_match_len=True, **knobs)
+                r[f"acc_{name}"] = {"acc_len": acc.tolist(), "draft_len": drafted.tolist(), "match_len": matched.tolist()}
             notes[name] = "exact: prompt lookup replayed over the generated tokens"
             continue
         backend = instantiate_backend(OmegaConf.to_container(cfg.backend), OmegaConf.to_container(cfg.model), mcfg, k)
         try:
-            got = backend.draft_predictions([r["prompt_token_ids"] + r["generated_token_ids"] for r in rows])
+            got = backend.draft_predictions([r["prompt_token_ids"] + r["generated_token_ids"] for r in rows],
+                                            with_probs=True)
         finally:
             backend.close()
         if got is None:
             raise ValueError(f"backend {cfg.backend.name!r} cannot produce teacher-forced drafts for method {name!r}")
-        preds, notes[name] = got
-        for r, p in zip(rows, preds):
+        preds, notes[name], probs = got
+        for j, (r, p) in enumerate(zip(rows, preds)):
             P = len(r["prompt_token_ids"])
             G = len(r["generated_token_ids"])
-            if np.ndim(p) == 2:  # per position, a k-token chain (heads that draft from their own drafts)
+            chains = np.ndim(p) == 2  # per position, a k-token chain (heads that draft from their own drafts)
+            if chains:
                 acc = acceptance_lengths_from_chains(r["generated_token_ids"], np.asarray(p)[P : P + G], k)
             else:
                 acc = acceptance_lengths_from_predictions(r["generated_token_ids"], p[P : P + G], k)
             r[f"acc_{name}"] = {"acc_len": acc.tolist()}
+            if probs is not None:
+                r[f"acc_{name}"]["draft_prob"] = cycle_draft_probs(np.asarray(probs[j], dtype=np.float64)[P : P + G], k,
+                                                                   chains)
     return rows, {"k": k, "notes": notes, "job": job_dir.name}
 
 

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from backends.native import NativeBackend
@@ -80,3 +81,89 @@ def test_acceptance_lengths_from_chains_by_hand():
     chains = [[-1, -1], [6, 7], [7, 0], [0, 9], [9, 1]]  # chains[t]: drafts for gen[t], gen[t+1]
     # i=0: chain[1] = [6, 7] both right -> 3; i=1: [7, 0] -> 2; i=2: [0, 9] -> 1; i=3: [9] -> 2; i=4 -> 1
     assert acceptance_lengths_from_chains(gen, chains, k=2).tolist() == [3, 2, 1, 2, 1]
+
+
+def test_a_drafters_probabilities_are_its_softmax_at_the_token_it_predicts(tiny_llama):
+    """draft_predictions(with_probs=True): the same predictions as without, and each one's
+    probability equal to the softmax of the draft model's own logits (its full forward, not the
+    chunked projection the trace pass uses) at that token."""
+    import torch
+
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "draft_model", "draft_layers": 2}, num_speculative_tokens=3)
+    seq = b.tokenize(PROMPTS[0])
+    seq += b.generate([seq], Sampling(), 20, speculative=False).requests[0].output_token_ids
+    preds, note, probs = b.draft_predictions([seq], with_probs=True)
+    assert (preds, note) == b.draft_predictions([seq])
+    model = b.drafter.model
+    model.setup_cache(1, len(seq) + 1)
+    with torch.inference_mode():
+        logits = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0]
+    want = torch.softmax(logits.float(), -1)[torch.arange(len(seq) - 1), torch.tensor(preds[0][1:])]
+    assert np.isnan(probs[0][0]) and np.allclose(probs[0][1:], want.numpy(), rtol=1e-4, atol=1e-6)
+    assert logits[:-1].argmax(-1).tolist() == preds[0][1:]
+
+
+def test_cycle_draft_probs_by_hand():
+    from bench.traces import cycle_draft_probs
+
+    # predictions: probs[t] is that of the prediction of generated[t]; the cycle at i drafts t = i+1..i+k
+    p = np.array([0.1, 0.2, 0.3, 0.4])
+    assert cycle_draft_probs(p, 2, chains=False) == [[0.2, 0.3], [0.3, 0.4], [0.4], []]
+    # chains: row t is the chain drafted for generated[t], t+1, ...; the cycle at i drafts chain i + 1
+    c = np.array([[0.9, 0.8], [0.7, 0.6], [0.5, 0.4], [0.3, 0.2]])
+    assert cycle_draft_probs(c, 2, chains=True) == [[0.7, 0.6], [0.5, 0.4], [0.3], []]
+
+
+def test_which_methods_the_trace_builder_replays_is_declared_by_their_config():
+    from bench.traces import NGRAM_KEYS, method_config, replayed_lookup
+    from omegaconf import OmegaConf
+
+    job = OmegaConf.create({"method": {"name": "autoregressive"}})
+    assert replayed_lookup(method_config("ngram", job)) == {"min_ngram": 1, "max_ngram": 3, "prefer_recent": True,
+                                                            "min_hits": 1}
+    # a lookup with other knobs (llama-server's maps and caches, suffix trees) is its engine's own
+    for name in ("ngram_cache", "ngram_map_k", "ngram_mod", "suffix", "prompt_lookup_lib", "draft_model", "combined"):
+        assert replayed_lookup(method_config(name, job)) is None, name
+    # the knobs, not the name: a renamed copy of ngram's config is replayed too
+    assert replayed_lookup({**method_config("ngram", job), "name": "my_lookup"}) is not None
+    assert replayed_lookup({"name": "x", "drafter": "model", **{k: 1 for k in NGRAM_KEYS}}) is None
+
+
+def test_traces_of_a_job_record_match_lengths_and_draft_probabilities(tmp_path, tiny_llama):
+    """build_traces on a job folder (its config and its baseline generations, as a sweep writes
+    them): the lookup's draft_len and match_len agree with ngram_lookup at every position, and the
+    draft model's draft_prob rows are its probabilities, shifted per cycle."""
+    import pandas as pd
+    from omegaconf import OmegaConf
+
+    from bench.ngram import ngram_lookup
+    from bench.oracle import load_traces
+    from bench.traces import build_traces
+
+    method = {"name": "draft_model", "speculative": True, "drafter": "model", "draft_path": None, "draft_layers": 2,
+              "draft_vocab": None}
+    b = NativeBackend({"path": str(tiny_llama)}, method, num_speculative_tokens=3)
+    prompts = [b.tokenize(t) for t in PROMPTS]
+    gens = [r.output_token_ids for r in b.generate(prompts, Sampling(), 24, speculative=False).requests]
+    job = tmp_path / "job"
+    job.mkdir()
+    OmegaConf.save(OmegaConf.create({"backend": {"_target_": "backends.native.NativeBackend", "name": "native"},
+                                     "model": {"name": "local", "path": str(tiny_llama)}, "method": method,
+                                     "temperature": 0.0, "num_speculative_tokens": 3}), job / "config.yaml")
+    pd.DataFrame([{"run": "baseline", "repeat": 0, "request_id": f"r{i}", "prompt_token_ids": p, "output_token_ids": g}
+                  for i, (p, g) in enumerate(zip(prompts, gens))]).to_parquet(job / "requests.parquet")
+    rows, meta = build_traces(job, ["draft_model", "ngram"], k=3)  # every method, whatever the order
+    _, _, probs = b.draft_predictions([p + g for p, g in zip(prompts, gens)], with_probs=True)
+    for r, p, g, pr in zip(rows, prompts, gens, probs):
+        ng = r["acc_ngram"]
+        assert ng["draft_len"] == [len(ngram_lookup(p + g[: i + 1], 3)) for i in range(len(g))]
+        assert ng["match_len"] == [ngram_lookup(p + g[: i + 1], 3, with_match_len=True)[1] for i in range(len(g))]
+        assert any(m > 1 for m in ng["match_len"]) and any(m == 0 for m in ng["match_len"])
+        dp = r["acc_draft_model"]["draft_prob"]
+        assert [len(x) for x in dp] == [min(3, len(g) - 1 - i) for i in range(len(g))]
+        P = len(p)
+        assert np.allclose(dp[0], pr[P + 1 : P + 4], atol=1e-6) and np.allclose(dp[5], pr[P + 6 : P + 9], atol=1e-6)
+    out = tmp_path / "t.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = load_traces(out)[0]
+    assert t.confidence["draft_model"].shape == (len(gens[0]), 3) and t.matched["ngram"].max() <= 3

@@ -15,7 +15,6 @@ from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
 from .scheduler import serve
 from .loading import load_model
-from .model import linear
 from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined")
@@ -40,6 +39,14 @@ class NativeConfig:
             raise ValueError(f"backend.device={self.device!r} but CUDA is not available here; use backend.device=cpu")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null (torch's default)")
+
+
+def greedy_with_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's greedy choice over the last dimension of its logits, and its probability under
+    the drafter's softmax: exp(max - logsumexp), in float32."""
+    ids = logits.argmax(-1)  # as the engine's drafters choose
+    x = logits.float()
+    return ids, torch.exp(x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1))
 
 
 def _load(path: str, dtype: str, device: str):
@@ -195,12 +202,13 @@ class NativeBackend(Backend):
         return self._run(serve, prompts, sampling, max_new_tokens, speculative, plan=plan)
 
     @torch.inference_mode()
-    def draft_predictions(self, sequences):
+    def draft_predictions(self, sequences, with_probs: bool = False):
         d = self.drafter
         if isinstance(d, HeadDrafter):
-            return self._head_chains(d.head, sequences), (
-                "exact: the head's k-token chain at every position, teacher-forced over the true prefix by the "
-                "unrolled forward that the engine's drafts are tested against")
+            chains, probs = self._head_chains(d.head, sequences)
+            note = ("exact: the head's k-token chain at every position, teacher-forced over the true prefix by the "
+                    "unrolled forward that the engine's drafts are tested against")
+            return (chains, note, probs) if with_probs else (chains, note)
         if isinstance(d, ModelDrafter):
             model, layers, note = d.model, None, "exact: the draft keeps its own cache, so it only ever sees the true prefix"
         elif isinstance(d, LayerSkipDrafter):
@@ -209,7 +217,7 @@ class NativeBackend(Backend):
                     "model's KV for positions before each cycle")
         else:
             return None
-        out = []
+        out, probs = [], []
         model.setup_cache(1, max(len(s) for s in sequences) + 1)  # one cache, reused: every pass starts at position 0
         for seq in sequences:
             toks = torch.tensor([seq], device=self.cfg.device)
@@ -217,19 +225,23 @@ class NativeBackend(Backend):
             _, hidden = model(toks, torch.arange(len(seq), device=self.cfg.device)[None], layers=layers,
                               logits_for=none, return_hidden=True)
             h = model.norm(hidden[0])
-            w = model.output_weight if d.vocab_limit is None else model.output_weight[: d.vocab_limit]
-            pred = [-1]
+            pred, prob = [-1], [float("nan")]
             for s in range(0, len(seq) - 1, 64):  # the vocabulary projection in chunks: 262k columns
-                pred += linear(h[s : min(s + 64, len(seq) - 1)], w).argmax(-1).tolist()
+                # the drafter's own logits, as its drafting forward makes them (soft-capped where the model is)
+                ids, p = greedy_with_prob(model.head_logits(h[s : min(s + 64, len(seq) - 1)], d.vocab_limit))
+                pred += ids.tolist()
+                prob += p.tolist()
             out.append(pred)
-        return out, note
+            probs.append(prob)
+        return (out, note, probs) if with_probs else (out, note)
 
     def _head_chains(self, head, sequences):
         """Per sequence, a [len, k] array: row t is the chain the head drafts for tokens t, t+1, ...
-        given the true prefix before t (rows 0 and 1 have no anchor and hold -1)."""
+        given the true prefix before t (rows 0 and 1 have no anchor and hold -1); and beside it a
+        [len, k] float array, the head's probability of each drafted token (NaN in rows 0 and 1)."""
         from .train_eagle import target_pass, unrolled
 
-        k, out = self.k, []
+        k, out, probs = self.k, [], []
         for seq in sequences:
             n = len(seq)
             feats, _ = target_pass(self.model, seq, head.capture)
@@ -237,11 +249,16 @@ class NativeBackend(Backend):
             N = n - 1
             idx = (torch.arange(N)[:, None] + torch.arange(2, k + 1)[None]).clamp(max=n - 1)  # step j feeds token p + 1 + j
             outs = unrolled(head, self.model, t[1:][None], feats[None, :N], t[idx][None], k)
-            chain = torch.stack([head.to_target_ids(head.logits(self.model, o)[0].argmax(-1)) for o in outs], 1)
+            steps = [greedy_with_prob(head.logits(self.model, o)[0]) for o in outs]
+            chain = torch.stack([head.to_target_ids(ids) for ids, _ in steps], 1)
+            prob = torch.stack([p for _, p in steps], 1)
             rows = torch.full((n, k), -1, dtype=torch.long)
             rows[2:] = chain[: n - 2].cpu()  # the anchor p drafts from position p + 2 on
+            prow = torch.full((n, k), float("nan"))
+            prow[2:] = prob[: n - 2].cpu()
             out.append(rows.numpy())
-        return out
+            probs.append(prow.numpy())
+        return out, probs
 
     def describe(self) -> dict:
         d = {"engine": "specsweep-native", "torch": torch.__version__, "dtype": self.cfg.dtype, "device": self.cfg.device,
