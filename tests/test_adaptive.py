@@ -14,16 +14,24 @@ from bench.oracle.simulate import run, sample_requests, tune_split
 # the published constants with a switching cost, so that the faithful accounting differs
 COST = replace(load_cost_model("llama3.1-8b-h100"), switching_cost=1.5e-3)
 REALIZABLE = ["match:ngram+eagle:2:4:3", "ema:eagle:3", "ema:ngram:2:0.25:6", "goodput:ngram+eagle:6",
-              "ucb:ngram+eagle:1,3,5", "schedule:eagle:1=4,8=2"]
+              "ucb:ngram+eagle:1,3,5", "schedule:eagle:1=4,8=2", "conf:eagle:4:0.5", "conf:ngram+eagle:2:4:4:0.3"]
+KC = 4  # drafts per cycle whose probabilities the random traces record
 
 
 def random_trace(rng, G=60, P=25, tid="t"):
     left = G - np.arange(G)
     ng = np.minimum(rng.integers(1, 6, G), left)
     eg = np.minimum(rng.integers(1, 5, G), left)
-    # a lookup proposes at least what gets accepted, sometimes nothing at all
+    # a lookup proposes at least what gets accepted, sometimes nothing at all; it matched a
+    # context suffix of 1-3 tokens wherever it proposes
     d = np.where((ng > 1) | (rng.random(G) < 0.5), ng - 1 + rng.integers(0, 3, G), 0)
-    return Trace(tid, P, list(range(G)), {"ngram": ng, "eagle": eg}, {"ngram": d})
+    matched = np.where(d > 0, rng.integers(1, 4, G), 0)
+    # the drafter's probability of each draft: high for the ones accepted, anything for the rest
+    conf = rng.random((G, KC))
+    conf[np.arange(KC)[None, :] < (eg - 1)[:, None]] = 0.5 + 0.5 * rng.random(int(((eg - 1)[:, None] > np.arange(KC)).sum()))
+    conf[np.arange(KC)[None, :] >= (G - 1 - np.arange(G))[:, None]] = np.nan  # past the generation's end
+    return Trace(tid, P, list(range(G)), {"ngram": ng, "eagle": eg}, {"ngram": d}, {"ngram": matched},
+                 {"eagle": conf})
 
 
 def spec_time(t, pol, accounting, B=1):
@@ -48,7 +56,9 @@ def test_a_realizable_policy_sees_only_the_past(spec):
         u = random_trace(np.random.default_rng(100 + trial))
         acc = {m: np.where(future, u.acc[m], t.acc[m]) for m in t.acc}
         changed = Trace(t.id, t.prompt_len, t.generated_token_ids, acc,
-                        {"ngram": np.where(future, u.drafted["ngram"], t.drafted["ngram"])})
+                        {"ngram": np.where(future, u.drafted["ngram"], t.drafted["ngram"])},
+                        {"ngram": np.where(future, u.matched["ngram"], t.matched["ngram"])},
+                        {"eagle": np.where(future[:, None], u.confidence["eagle"], t.confidence["eagle"])})
         b = trajectory(changed, pol, ctx)
         for f in ("winner", "input_len", "emitted"):
             assert getattr(b, f)[:c + 1].tolist() == getattr(a, f)[:c + 1].tolist()
@@ -134,7 +144,7 @@ def test_dp_equals_a_brute_force_over_all_choice_sequences(accounting):
     assert spec_time(t, Policy.parse("dp:ngram+eagle:3"), accounting) == pytest.approx(brute, rel=1e-12)
 
 
-def _toy_file(tmp_path, n=16, drafted=True):
+def _toy_file(tmp_path, n=16, drafted=True, confidence=False):
     rng = np.random.default_rng(5)
     rows = []
     for i in range(n):
@@ -143,6 +153,9 @@ def _toy_file(tmp_path, n=16, drafted=True):
              "acc_ngram": {"acc_len": t.acc["ngram"].tolist()}, "acc_eagle": {"acc_len": t.acc["eagle"].tolist()}}
         if drafted:
             r["acc_ngram"]["draft_len"] = t.drafted["ngram"].tolist()
+        if confidence:  # as specsweep-trace writes them: match lengths, and rows without the NaN padding
+            r["acc_ngram"]["match_len"] = t.matched["ngram"].tolist()
+            r["acc_eagle"]["draft_prob"] = [[float(x) for x in row if x == x] for row in t.confidence["eagle"]]
         rows.append(r)
     f = tmp_path / "combined_toy.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -203,3 +216,142 @@ def test_a_policy_needing_draft_lengths_says_so_on_a_trace_without_them(tmp_path
     said = []
     df = run([f], COST, [1], ["optimistic"], None, 16, warn=said.append)  # the defaults skip it, saying so
     assert "match" not in set(df.kind) and any("n/a on toy" in s for s in said)
+
+
+def _same(a, b):
+    return all(getattr(a, f).tolist() == getattr(b, f).tolist() for f in ("winner", "input_len", "emitted", "ran"))
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_conf_with_a_zero_threshold_is_fixed_k_alone_and_match_after_the_lookup(B):
+    """No draft falls below 0: conf:eagle:K:0 is fixed:eagle:K, and with the lookup first at
+    match length >= 1 (where it proposes >= 1 token) it is match:...:1:KC:KN, cycle for cycle and
+    second for second; a positive threshold changes both."""
+    rng = np.random.default_rng(21)
+    for i in range(5):
+        t = random_trace(rng, tid=str(i))
+        for acct in ("optimistic", "faithful"):
+            ctx = Context(COST, B, acct)
+            for a, b in (("conf:eagle:4:0", "fixed:eagle:4"), ("conf:ngram+eagle:1:6:3:0", "match:ngram+eagle:1:6:3")):
+                pa, pb = Policy.parse(a), Policy.parse(b)
+                assert _same(trajectory(t, pa, ctx), trajectory(t, pb, ctx)), (a, b)
+                assert spec_time(t, pa, acct, B) == pytest.approx(spec_time(t, pb, acct, B), rel=1e-12)
+        assert not _same(trajectory(t, Policy.parse("conf:eagle:4:0.6")), trajectory(t, Policy.parse("fixed:eagle:4")))
+
+
+def test_conf_drafts_up_to_the_first_draft_below_the_threshold():
+    G = 12
+    conf = np.full((G, 3), 0.9)
+    conf[0] = [0.9, 0.4, 0.9]  # the second draft is below 0.5: one draft proposed
+    conf[2] = [0.2, 0.9, 0.9]  # the first: no draft, a plain step
+    t = Trace("c", 5, list(range(G)), {"eagle": np.minimum(4, G - np.arange(G))}, confidence={"eagle": conf})
+    tr = trajectory(t, Policy.parse("conf:eagle:3:0.5"))
+    assert tr.input_len.tolist()[:3] == [2, 1, 4] and tr.emitted.tolist()[:3] == [2, 1, 4]
+    assert tr.ran[:3, 0].all()  # the drafter ran in the plain step too: it computed the draft it dropped
+
+
+@pytest.mark.parametrize("per", ["cycle", "step"])
+def test_a_cycle_the_threshold_skips_is_charged_the_draft_it_computed(per):
+    """conf:eagle:3:1 skips every cycle (no probability reaches 1): the same steps as the
+    baseline, plus one draft forward per cycle, at batch 1 exactly."""
+    cost = with_neural_charge(COST, per)
+    G, P = 20, 9
+    t = Trace("s", P, list(range(G)), {"eagle": np.minimum(3, G - np.arange(G))},
+              confidence={"eagle": np.full((G, 3), 0.99)})
+    pol = Policy.parse("conf:eagle:3:1")
+    traj = trajectory(t, pol)
+    assert set(traj.input_len) == {1} and len(traj.input_len) == G - 1
+    base, spec, _ = request_times(t, pol, traj, cost, np.array([1]), "optimistic")
+    kv = P + 1 + np.arange(G - 1.0)
+    drafts = cost.draft("eagle").time(cost.verify(kv, 1), kv, 2).sum()
+    assert drafts > 0 and spec[0] - base[0] == pytest.approx(drafts, rel=1e-9)
+
+
+def test_conf_asks_for_no_more_drafts_than_the_trace_records():
+    with pytest.raises(ValueError, match="KMAX 6 is more than the 4 drafts per cycle"):
+        trajectory(random_trace(np.random.default_rng(0)), Policy.parse("conf:eagle:6:0.5"))
+    with pytest.raises(ValueError, match="threshold 1.5 is not valid"):
+        Policy.parse("conf:eagle:3:1.5")
+
+
+def test_conf_is_na_on_traces_without_the_drafters_probabilities(tmp_path):
+    f = _toy_file(tmp_path)  # draft_len, but no match_len and no draft_prob: as published traces
+    with pytest.raises(ValueError, match=r"n/a .*draft_prob of \['eagle'\]"):
+        run([f], COST, [1], ["optimistic"], ["conf:eagle:3:0.3"], 16)
+    said = []
+    df = run([f], COST, [1], ["optimistic"], None, 16, warn=said.append)
+    assert "conf" not in set(df.kind)
+    assert sum("conf:" in s and "n/a on toy" in s and "draft_prob" in s for s in said) == 2  # alone, after the lookup
+    g = _toy_file(tmp_path, confidence=True)
+    df = run([g], COST, [1], ["optimistic", "faithful"], None, 16)
+    conf = df[df.kind == "conf"]
+    assert set(conf.policy) == {"conf:eagle:4:0.3", "conf:ngram+eagle:1:8:4:0.3"} and conf.realizable.all()
+    assert conf.gap_closed.notna().all()
+
+
+def test_conf_tunes_on_one_half_and_is_scored_on_the_other(tmp_path):
+    df = run([_toy_file(tmp_path, confidence=True)], COST, [1], ["optimistic"],
+             ["conf:ngram+eagle:1:8:4:0.3", "fixed:eagle:2", "dp:ngram+eagle:6"], 16, "set", tune=True)
+    row = df[df.tuned_from == "conf:ngram+eagle:1:8:4:0.3"]
+    assert len(row) == 1 and row.policy.iloc[0].startswith("conf:ngram+eagle:") and set(df.half) == {"score"}
+
+
+def test_the_lookup_recomputed_from_token_ids(tmp_path):
+    """Traces whose n-gram acc_len a prompt lookup (match lengths 3-7, earliest, 20 tokens) made,
+    written without draft_len or match_len, as published: the recomputed lookup agrees with acc_len
+    wherever it was left alone and fills in what match needs; a recorded match_len is kept."""
+    from bench.ngram import lookup_trace
+    from bench.oracle.tracefile import parse_lookup, recompute_lookup
+
+    rng = np.random.default_rng(8)
+    rows, truth = [], {}
+    for i in range(6):
+        prompt = rng.integers(0, 6, 50).tolist()
+        gen = (prompt[10:40] + rng.integers(0, 6, 30).tolist())[: int(rng.integers(30, 60))]
+        acc, drafted, matched = lookup_trace(prompt, gen, 20, min_ngram=3, max_ngram=7, prefer_recent=False)
+        truth[str(i)] = (drafted, matched)
+        bad = acc.copy()
+        if i == 0:
+            bad[:4] = np.minimum(bad[:4] + 1, len(gen) - np.arange(4))  # four positions the trace disagrees on
+        rows.append({"id": str(i), "prompt_token_ids": prompt, "generated_token_ids": gen,
+                     "acc_ngram": {"acc_len": bad.tolist()}, "acc_eagle": {"acc_len": [1] * len(gen)}})
+    f = tmp_path / "combined_pub.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    method, knobs = parse_lookup("ngram")
+    assert (method, knobs) == ("ngram", {"min_ngram": 3, "max_ngram": 7, "k": 20, "prefer_recent": False})
+    traces = load_traces(f)
+    k = knobs.pop("k")
+    got = recompute_lookup(traces, "ngram", k, **knobs)
+    n = sum(len(r["generated_token_ids"]) for r in rows)
+    changed = sum(a != b for a, b in zip(rows[0]["acc_ngram"]["acc_len"],
+                                         lookup_trace(rows[0]["prompt_token_ids"], rows[0]["generated_token_ids"], 20,
+                                                      min_ngram=3, max_ngram=7, prefer_recent=False)[0]))
+    assert got == {"traces": 6, "positions": n, "agree": n - changed} and changed > 0
+    for t in traces:
+        assert t.drafted["ngram"].tolist() == truth[t.id][0].tolist() and t.matched["ngram"].tolist() == truth[t.id][1].tolist()
+    assert recompute_lookup(traces, "ngram", 3)["traces"] == 0  # match_len now recorded: left as it is
+    said = []
+    df = run([f], COST, [1], ["optimistic"], ["match:ngram+eagle:1:20:3"], 6, warn=said.append,
+             lookups=[parse_lookup("ngram:3:7:20:earliest")])
+    assert len(df) == 1 and any(f"agrees with the trace's at {(n - changed) / n:.2%} of {n} positions" in s for s in said)
+    for bad_spec, msg in (("ngram:3:7", "not valid; use METHOD"), ("ngram:0:7:20", "need 1 <= MIN <= MAX"),
+                          ("ngram:3:7:20:middle", "not valid; use METHOD"), ("ngram:a:7:20", "must be integers")):
+        with pytest.raises(ValueError, match=msg):
+            parse_lookup(bad_spec)
+
+
+def test_draft_prob_in_a_trace_file_is_checked(tmp_path):
+    from bench.oracle import TraceError
+
+    base = {"id": "a", "prompt_token_ids": [1, 2], "generated_token_ids": [3, 4, 5], "acc_m": {"acc_len": [2, 2, 1]}}
+    for probs, msg in (([[0.5], [1.5], []], r"draft_prob\[1\]\[0\] = 1.5: each value must be a probability"),
+                       ([[0.5], []], "expected a list of 3 lists"), ([0.5, 0.2, 0.1], "expected a list of 3 lists")):
+        f = tmp_path / "t.jsonl"
+        f.write_text(json.dumps({**base, "acc_m": {"acc_len": [2, 2, 1], "draft_prob": probs}}) + "\n")
+        with pytest.raises(TraceError, match=msg):
+            load_traces(f)
+    f.write_text(json.dumps({**base, "acc_m": {"acc_len": [2, 2, 1], "draft_prob": [[0.5, 0.25], [0.75], []],
+                                               "match_len": [0, 2, 1]}}) + "\n")
+    t = load_traces(f)[0]
+    assert np.array_equal(t.confidence["m"], [[0.5, 0.25], [0.75, np.nan], [np.nan, np.nan]], equal_nan=True)
+    assert t.matched["m"].tolist() == [0, 2, 1] and t.prompt_token_ids == [1, 2]

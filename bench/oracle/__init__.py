@@ -18,6 +18,10 @@ Policies (policies.py, adaptive.py, dp.py; one class each, POLICIES maps a spec'
                               second, from per-depth acceptance estimates (Beta(1, 1) prior) of its own cycles;
   ucb:M1+M2[+...]:K1,K2,...   UCB1 over (method, k) arms, reward = speedup of the cycle over a plain step / (max k + 1);
   schedule:METHOD:B1=K1,...   k by batch size (an engine's static schedule);
+  conf:[CHEAP+]NEURAL[:M:KC]:KMAX:THR  a confidence threshold (DISCO / SpecDec++ style): the neural
+                              drafter's drafts while their probability under it is >= THR, up to KMAX
+                              (the first one below: SD skipped for the cycle), after the lookup (k <= KC)
+                              where its match length is >= M; n/a on traces without draft_prob;
 - dp:M1[+M2...]:KMAX: the clairvoyant per-cycle bound (dynamic programming over positions; exact at
   batch 1, approximate above: column approximate).
 Accountings optimistic and faithful; columns realizable and gap_closed = (policy - best fixed) /
@@ -36,14 +40,14 @@ The package:
 - cli.py        main: specsweep-oracle, also python -m bench.oracle.
 """
 from .cli import main
-from .policies import (POLICIES, Combined, Context, Dp, Ema, Fallback, FixedK, Goodput, Match, OracleK, Policy,
+from .policies import (POLICIES, Combined, Confidence, Context, Dp, Ema, Fallback, FixedK, Goodput, Match, OracleK, Policy,
                        PolicyError, RandMatch, Schedule, Ucb, default_policies)
 from .reporting import plot, summary_markdown
 from .simulate import (PUBLISHED_MATCH_PROB, SAMPLE_SEED, TUNE_SEED, Trajectory, add_gap_closed, request_times, run,
                        sample_requests, simulate, simulate_randmatch, simulate_set, trajectory, tune_split)
 from .tracefile import Trace, TraceError, generated_len, load_traces
 
-__all__ = ["Combined", "Context", "Dp", "Ema", "Fallback", "FixedK", "Goodput", "Match", "OracleK", "POLICIES",
+__all__ = ["Combined", "Confidence", "Context", "Dp", "Ema", "Fallback", "FixedK", "Goodput", "Match", "OracleK", "POLICIES",
            "PUBLISHED_MATCH_PROB", "Policy", "PolicyError", "RandMatch", "SAMPLE_SEED", "Schedule", "TUNE_SEED", "Trace",
            "TraceError", "Trajectory", "Ucb", "add_gap_closed", "default_policies", "generated_len", "load_traces", "main",
            "plot", "request_times", "run", "sample_requests", "simulate", "simulate_randmatch", "simulate_set",

@@ -4,7 +4,9 @@ Every class here decides through `choose(state, pos, avail)` and learns through
 `observe(state, w, drafts, emitted)`; neither is given the trace's acceptance, so what a policy
 knows is, by construction, what a decoder would: its own earlier cycles (method, drafts, tokens
 emitted), the position, and `avail[j]`, the tokens method j's drafter can propose here where the
-trace records it (draft_len: an n-gram lookup's match, found before the cycle runs).
+trace records it (draft_len: an n-gram lookup's match, found before the cycle runs). conf also
+reads, at the current position only, the lookup's match length (match_len) and the drafter's
+probabilities of the drafts it would propose (draft_prob), both known before the verify.
 
 - match:CHEAP+NEURAL:M:KC:KN   the lookup when it proposes >= M tokens here (k = min(that, KC)),
                                else the neural drafter at KN (needs the lookup's draft_len);
@@ -12,7 +14,10 @@ trace records it (draft_len: an n-gram lookup's match, found before the cycle ru
 - goodput:M1+M2[+...]:KMAX     per cycle the (method, k), k = 0 (a plain step) allowed, with the
                                most expected tokens per second, from running acceptance estimates;
 - ucb:M1+M2[+...]:K1,K2,...    a UCB1 bandit over (method, k) arms, reward tokens per second;
-- schedule:METHOD:B1=K1,...    an engine's static schedule: k by batch size.
+- schedule:METHOD:B1=K1,...    an engine's static schedule: k by batch size;
+- conf:[CHEAP+]NEURAL[:M:KC]:KMAX:THR  a confidence threshold: the drafts whose probability under
+                               the drafter is >= THR, up to the first below it (none: SD skipped),
+                               after the lookup where its match length is >= M (needs draft_prob).
 """
 from __future__ import annotations
 
@@ -57,10 +62,10 @@ class Adaptive(Policy):
         pass
 
     def proposer(self, t, ctx):
-        missing = [self.methods[j] for j in self.needs_drafted if (t.drafted or {}).get(self.methods[j]) is None]
+        missing = self.missing_signals(t)
         if missing:
-            raise ValueError(f"policy {self.name}: n/a for request {t.id}: it needs the lookup's draft lengths "
-                             f"(draft_len) of {missing}, which this trace does not record")
+            raise ValueError(f"policy {self.name}: n/a for request {t.id}: it needs the {self.say_missing(missing)}, "
+                             "which this trace does not record")
         st = self.begin(t, ctx)
         last = []  # the previous cycle's (method, drafts), to pair with the outcome trajectory reports
 
@@ -283,3 +288,94 @@ class Schedule(Adaptive):
 
     def choose(self, st, pos, avail):
         return 0, st.k, (True,)
+
+
+@dataclass(frozen=True)
+class Confidence(Adaptive):
+    """A confidence threshold on a neural drafter (DISCO / SpecDec++ style). A cycle proposes the
+    drafter's drafts while each one's probability under the drafter (the trace's draft_prob) is at
+    least THR, up to KMAX; the first draft below THR is not proposed, and when that is the first
+    one the cycle verifies no draft (speculation skipped: a plain step). The drafter is charged
+    for every draft it computed: one more than it proposed where the threshold stopped it.
+
+      conf:NEURAL:KMAX:THR              the rule alone;
+      conf:CHEAP+NEURAL:M:KC:KMAX:THR   the lookup where its match length (match_len) is >= M,
+                                        k = min(its proposal, KC), else the neural rule.
+
+    It reads at a position what a decoder has there before verifying: the lookup's match and the
+    drafter's probabilities of its own drafts. Those are teacher-forced (the drafter saw the true
+    tokens): exact up to a cycle's first wrong draft; after it the real drafter would have seen its
+    own draft, which changes only how many rejected tokens are verified, never what is accepted."""
+    min_match: int = 0  # 0: the one-method form
+    k_cheap: int = 0
+    threshold: float = 0.0
+
+    kind, syntax = "conf", "conf:[CHEAP+]NEURAL[:M:KC]:KMAX:THR"
+
+    @property
+    def combined(self) -> bool:
+        return len(self.methods) == 2
+
+    @property
+    def switches(self):
+        return self.combined
+
+    @property
+    def needs_confidence(self):
+        return (len(self.methods) - 1,)
+
+    @property
+    def needs_matched(self):
+        return (0,) if self.combined else ()
+
+    @property
+    def needs_drafted(self):
+        return (0,) if self.combined else ()
+
+    @property
+    def name(self):
+        lookup = f":{self.min_match}:{self.k_cheap}" if self.combined else ""
+        return f"conf:{'+'.join(self.methods)}{lookup}:{self.k}:{self.threshold:g}"
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if len(args) not in (3, 5):
+            return None
+        thr = float(args[-1])
+        if not 0 <= thr <= 1:
+            raise PolicyError(f"policy {spec!r}: threshold {thr:g} is not valid; use a probability in 0..1")
+        if len(args) == 3:
+            return cls(_methods(spec, args[0], 1), _draft_length(spec, args[1]), threshold=thr)
+        m, kc, kmax = (_draft_length(spec, a) for a in args[1:4])
+        return cls(_methods(spec, args[0], 2), kmax, m, kc, thr)
+
+    def begin(self, t, ctx):
+        conf = t.confidence[self.methods[-1]]
+        if conf.shape[1] < min(self.k, len(t.acc[self.methods[-1]]) - 1):  # a short generation has short rows
+            raise PolicyError(f"policy {self.name}: KMAX {self.k} is more than the {conf.shape[1]} drafts per cycle "
+                              f"whose probabilities request {t.id}'s trace records (its acc_len was traced at that "
+                              f"draft length too); use KMAX <= {conf.shape[1]}")
+        return SimpleNamespace(conf=conf, matched=t.matched[self.methods[0]] if self.combined else None)
+
+    def choose(self, st, pos, avail):
+        if self.combined and st.matched[pos] >= self.min_match:
+            return 0, self.k_cheap, (True, False)
+        row = st.conf[pos, : self.k]
+        below = np.flatnonzero(row < self.threshold)  # NaN (past the generation's end) never stops it
+        drafts = int(below[0]) if len(below) else self.k
+        return len(self.methods) - 1, drafts, (True,) * len(self.methods)
+
+    def draft_time(self, cost, accounting, ran, verify, kv, il):
+        w = len(self.methods) - 1
+        computed = np.where(il - 1 < self.k, il + 1, il)  # stopped by the threshold: one draft computed, dropped
+        total = np.where(ran[..., w], cost.draft(self.methods[w]).time(verify, kv, computed), 0.0)
+        if self.combined:  # the lookup runs every cycle: it is how the rule decides
+            total = total + np.where(ran[..., 0], cost.draft(self.methods[0]).time(verify, kv, il), 0.0)
+        return total
+
+    def tune_grid(self):
+        """Candidates for --tune: the threshold, KMAX up to the given one, and (two methods) M."""
+        thresholds = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+        ms = (1, 2, 3, 4) if self.combined else (self.min_match,)
+        return [Confidence(self.methods, k, m, self.k_cheap, thr) for m in ms for k in range(1, self.k + 1)
+                for thr in thresholds]

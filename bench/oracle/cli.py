@@ -12,7 +12,7 @@ from ..costmodel import load_cost_model, with_neural_charge
 from ..methods import declare
 from .reporting import plot, summary_markdown
 from .simulate import run
-from .tracefile import TraceError
+from .tracefile import TraceError, parse_lookup
 
 
 def main(argv=None) -> int:
@@ -24,10 +24,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     ap.add_argument("--policies", nargs="+", help="e.g. fixed:eagle:3 oracle:ngram combined:ngram+eagle "
                     "fallback:ngram+eagle:3 randmatch:ngram:3 match:ngram+eagle:1:8:3 ema:eagle:3[:ALPHA[:KMAX]] "
-                    "goodput:ngram+eagle:8 ucb:ngram+eagle:1,3,5 schedule:eagle:1=5,32=3 dp:ngram+eagle:8 (default: "
+                    "goodput:ngram+eagle:8 ucb:ngram+eagle:1,3,5 schedule:eagle:1=5,32=3 conf:eagle:4:0.3 "
+                    "conf:ngram+eagle:1:8:4:0.3 dp:ngram+eagle:8 (default: "
                     "fixed k=1,3,5 and oracle per method, combined, fallback; with --batch-mode repeat on a published "
                     "dataset also randmatch k=1,3,5; then ema:M:3 per method, goodput, ucb, match where the traces "
-                    "have draft_len, and dp)")
+                    "have draft_len, conf where they have draft_prob (alone and after the lookup), and dp)")
     ap.add_argument("--requests", type=int, default=300, help="requests sampled per dataset (seed 42; published: 300)")
     ap.add_argument("--batch-mode", choices=["set", "repeat"], default="set",
                     help="set: B different requests per batch (default); repeat: one request repeated B times, the "
@@ -40,8 +41,13 @@ def main(argv=None) -> int:
                          "sequential forwards); both: report each (default: as the cost model says, cycle unless its "
                          "YAML sets per: step)")
     ap.add_argument("--tune", action="store_true",
-                    help="fit the parameters of match and ema on one half of the sampled requests (a fixed seeded "
+                    help="fit the parameters of match, ema and conf on one half of the sampled requests (a fixed seeded "
                          "split) and score every policy on the other half (column half = score)")
+    ap.add_argument("--lookup-from-tokens", nargs="+", default=[], metavar="METHOD[:MIN:MAX:K[:earliest|latest]]",
+                    help="recompute METHOD's lookup (its draft_len and match_len) from the traces' token ids where they "
+                         "record no match_len: bench/ngram.py's prompt lookup over prompt + generated tokens, match "
+                         "lengths MIN..MAX, up to K tokens (default 3:7:20:earliest, which reproduces the published "
+                         "traces' n-gram); how often it agrees with the trace's acc_len is printed")
     ap.add_argument("--out", default="oracle_results", help="output folder")
     a = ap.parse_args(argv)
     if any(b < 1 for b in a.batch_sizes):
@@ -50,12 +56,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         declare(a.drafter_kind)
+        lookups = [parse_lookup(x) for x in a.lookup_from_tokens]
         cost = load_cost_model(a.cost_model)
         accountings = ["optimistic", "faithful"] if a.accounting == "both" else [a.accounting]
         charges = {None: [None], "both": ["cycle", "step"]}.get(a.neural_draft_charge, [a.neural_draft_charge])
         df = pd.concat([run(a.traces, cost if per is None else with_neural_charge(cost, per), a.batch_sizes, accountings,
                             a.policies, a.requests, a.batch_mode, a.tune,
-                            warn=lambda m: print(f"specsweep-oracle: {m}", file=sys.stderr))
+                            warn=lambda m: print(f"specsweep-oracle: {m}", file=sys.stderr), lookups=lookups)
                         for per in charges], ignore_index=True)
     except (TraceError, ValueError) as e:
         print(f"specsweep-oracle: {e}", file=sys.stderr)

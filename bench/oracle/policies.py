@@ -11,7 +11,7 @@ specs such as "fixed:eagle:3".
 - combined:M+N     per position, the best of several methods, each at oracle k;
 - fallback:M+N:K   realizable (no future knowledge): M (a lookup, e.g. n-gram) at K while its
                    previous cycle had a draft accepted, else N for one cycle;
-- match, ema, goodput, ucb, schedule: realizable adaptive rules (adaptive.py, its docstring);
+- match, ema, goodput, ucb, schedule, conf: realizable adaptive rules (adaptive.py, its docstring);
 - dp:M1[+M2...]:KMAX  the clairvoyant per-cycle bound (dp.py);
 - randmatch:M:K[:P]  the published fixed-k n-gram model: where acc_len is 1 a copy of the request
                    finds a match with probability P (published per dataset), else proposes nothing
@@ -69,6 +69,9 @@ class Policy:
     batch_aware: ClassVar[bool] = False
     # The methods whose recorded draft lengths (draft_len) it needs; a trace without them is n/a.
     needs_drafted: ClassVar[tuple[int, ...]] = ()
+    # ... whose lookup match lengths (match_len), and whose drafter probabilities (draft_prob)
+    needs_matched: ClassVar[tuple[int, ...]] = ()
+    needs_confidence: ClassVar[tuple[int, ...]] = ()
 
     @property
     def name(self) -> str:
@@ -105,6 +108,20 @@ class Policy:
                 t = np.where(il == 1, 0.0, t)
             total = total + np.where(ran[..., j], t, 0.0)
         return total
+
+    def missing_signals(self, t) -> list[tuple[str, str]]:
+        """What this policy needs of trace t and t does not record, as (field, method) pairs
+        (("draft_len", "ngram")); empty: t has all of it."""
+        return [(field, self.methods[j]) for field, attr, need in (
+            ("draft_len", "drafted", self.needs_drafted), ("match_len", "matched", self.needs_matched),
+            ("draft_prob", "confidence", self.needs_confidence)) for j in need
+            if (getattr(t, attr) or {}).get(self.methods[j]) is None]
+
+    @staticmethod
+    def say_missing(pairs) -> str:
+        """(field, method) pairs said as "draft_len of ['ngram'] and the draft_prob of ['eagle']"."""
+        fields = dict.fromkeys(f for f, _ in pairs)
+        return " and the ".join(f"{f} of {[m for g, m in pairs if g == f]}" for f in fields)
 
     def charges_switching(self, accounting: str) -> bool:
         return self.switches and accounting == "faithful"
@@ -244,7 +261,7 @@ class RandMatch(Policy):
 
 # The adaptive policies and the dp bound subclass Policy and Context above, so they are imported
 # here, after them, to join the registry (their modules import this one's names, already defined).
-from .adaptive import Ema, Goodput, Match, Schedule, Ucb  # noqa: E402
+from .adaptive import Confidence, Ema, Goodput, Match, Schedule, Ucb  # noqa: E402
 from .dp import Dp  # noqa: E402
 
 # kind -> class; the order is that of the syntaxes an error lists
@@ -258,6 +275,7 @@ POLICIES: dict[str, type[Policy]] = {c.kind: c for c in (
     Goodput,
     Ucb,
     Schedule,
+    Confidence,
     Dp,
     RandMatch,
 )}

@@ -25,7 +25,7 @@ from .. import metrics
 from ..costmodel import CostModel
 from ..methods import is_lookup
 from .policies import Context, Policy, RandMatch, default_policies
-from .tracefile import Trace, generated_len, load_traces
+from .tracefile import Trace, generated_len, load_traces, recompute_lookup
 
 SAMPLE_SEED = 42  # the published methodology samples 300 requests with random.seed(42)
 
@@ -284,10 +284,12 @@ def _simulator(batch_mode: str):
     return sim
 
 
-def lacks_draft_lengths(traces, pol: Policy) -> list[str]:
-    """The methods whose draft lengths pol needs and no trace records: pol is n/a on them."""
-    need = [pol.methods[j] for j in pol.needs_drafted]
-    return [m for m in need if not any(t.drafted and m in t.drafted for t in traces if m in t.acc)]
+def lacking_signals(traces, pol: Policy) -> list[tuple[str, str]]:
+    """What pol needs (draft_len, match_len, draft_prob of its methods) and no trace of its methods
+    records, as (field, method) pairs: pol is n/a on these traces when it is not empty."""
+    have = [t for t in traces if all(m in t.acc for m in pol.methods)]
+    per = [set(pol.missing_signals(t)) for t in have]
+    return sorted(set.intersection(*per)) if per else []
 
 
 def _tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset):
@@ -297,13 +299,16 @@ def _tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset):
 
 
 def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=None, n_requests: int = 300,
-        batch_mode: str = "set", tune: bool = False, warn=None):
+        batch_mode: str = "set", tune: bool = False, warn=None, lookups=()):
     """Every policy x accounting x batch size for every trace file; returns a DataFrame.
 
     tune: parameters of the policies that have a tune_grid are fitted on one half of the sampled
     requests (tune_split) per batch size and accounting, and every policy is scored on the other
-    half (column half = "score"; "all" without tune). A policy that needs draft lengths the traces
-    lack is n/a there: skipped, and warn(message) says so."""
+    half (column half = "score"; "all" without tune). A policy that needs what the traces lack
+    (draft_len, match_len, draft_prob) is n/a there: skipped, and warn(message) says so.
+    lookups: (method, knobs) pairs whose lookup is recomputed from the token ids where a trace
+    records no match_len (tracefile.recompute_lookup); warn says how often it agrees with the
+    trace's acc_len."""
     import pandas as pd
 
     from ..costmodel import neural_charge
@@ -312,22 +317,32 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     rows = []
     for f in trace_files:
         traces = load_traces(f)
-        methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
         dataset = Path(f).stem.removeprefix("combined_")
+        for method, knobs in lookups:
+            knobs = dict(knobs)
+            k = knobs.pop("k")
+            got = recompute_lookup(traces, method, k, **knobs)
+            if warn is not None:
+                share = f"{got['agree'] / got['positions']:.2%}" if got["positions"] else "-"
+                how = (f"match lengths {knobs['min_ngram']}-{knobs['max_ngram']}, "
+                       f"{'latest' if knobs['prefer_recent'] else 'earliest'} occurrence, up to {k} tokens")
+                warn(f"{dataset}: {method}'s lookup recomputed from the token ids of {got['traces']} traces ({how}); "
+                     f"its acc_len agrees with the trace's at {share} of {got['positions']} positions")
+        methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
         pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
         if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
             pols += [RandMatch((m,), k) for m in methods if is_lookup(m) for k in (1, 3, 5)]
         if not policy_specs:  # the adaptive rules and the dp bound come after the published ones
-            pols += adaptive_defaults(methods)
+            pols += adaptive_defaults(methods, conf_kmax=confidence_width(traces))
         for pol in pols:
             _check_methods(traces, pol)
-            lacking = lacks_draft_lengths(traces, pol)
+            lacking = lacking_signals(traces, pol)
             if lacking:
                 if policy_specs and warn is None:
-                    raise ValueError(f"policy {pol.name}: n/a on {f}: it needs the draft lengths (draft_len) of "
-                                     f"{lacking}, which the traces do not record")
+                    raise ValueError(f"policy {pol.name}: n/a on {f}: it needs the {pol.say_missing(lacking)}, which "
+                                     "the traces do not record")
                 if warn is not None:
-                    warn(f"policy {pol.name}: n/a on {dataset} (the traces record no draft_len for {lacking})")
+                    warn(f"policy {pol.name}: n/a on {dataset} (the traces record no {pol.say_missing(lacking)})")
                 continue
             simulated = accountings if pol.switches else accountings[:1]  # the others' are the same in both
             for accounting in simulated:
@@ -373,9 +388,20 @@ def add_gap_closed(df):
     return df
 
 
-def adaptive_defaults(methods: list[str], kmax: int = 8) -> list[Policy]:
+CONF_THRESHOLD = 0.3  # the default conf policies' threshold (chosen before any measurement; --tune fits it)
+
+
+def confidence_width(traces) -> int | None:
+    """The most drafts per cycle whose probabilities a trace records (draft_prob), None if none does."""
+    widths = [c.shape[1] for t in traces for c in (t.confidence or {}).values()]
+    return max(widths) if widths else None
+
+
+def adaptive_defaults(methods: list[str], kmax: int = 8, conf_kmax: int | None = None) -> list[Policy]:
     """The default adaptive rules and bound: ema (k0 3) per method, goodput and a ucb over all,
-    match from the first lookup to the first model drafter, dp over all."""
+    match from the first lookup to the first model drafter, conf on the first model drafter alone
+    and after the first lookup (KMAX = conf_kmax, the traces' draft_prob width, else kmax; n/a
+    without draft_prob), dp over all."""
     cheap = [m for m in methods if is_lookup(m)]
     neural = [m for m in methods if not is_lookup(m)]
     ms = tuple(cheap + neural)
@@ -383,5 +409,10 @@ def adaptive_defaults(methods: list[str], kmax: int = 8) -> list[Policy]:
     pols += [Policy.parse(f"goodput:{'+'.join(ms)}:{kmax}"), Policy.parse(f"ucb:{'+'.join(ms)}:1,3,5")]
     if cheap and neural:
         pols.append(Policy.parse(f"match:{cheap[0]}+{neural[0]}:1:{kmax}:3"))
+    if neural:
+        kc = conf_kmax or kmax
+        pols.append(Policy.parse(f"conf:{neural[0]}:{kc}:{CONF_THRESHOLD:g}"))
+        if cheap:
+            pols.append(Policy.parse(f"conf:{cheap[0]}+{neural[0]}:1:{kmax}:{kc}:{CONF_THRESHOLD:g}"))
     pols.append(Policy.parse(f"dp:{'+'.join(ms)}:{kmax}"))
     return pols
