@@ -22,6 +22,8 @@ from pathlib import Path
 from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds,
                            reject_unknown)
 
+from bench.methods import specsweep_overrides
+
 from .cpu_probe import decide, file_identity, repack_mode, run_child
 from .processes import Worker
 
@@ -116,6 +118,15 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     supported_methods = METHODS
     ttft_source = "client"  # stamped by the loop in the worker, since the batch was submitted
+
+    @classmethod
+    def engine_config(cls, method: dict, k: int | None) -> list[str]:
+        """specsweep's overrides: the draft/verify loop over llama.cpp is specsweep's
+        (backends/llamacpp_worker.py)."""
+        if k is not None and method.get("name") not in METHODS:
+            raise ValueError(f"method {method.get('name')!r} is not supported by backend llamacpp; it supports "
+                             f"{', '.join(METHODS)}")
+        return specsweep_overrides(cls.name, method, k)
 
     def latency_contract(self) -> dict:
         # specsweep's loop emits a cycle's tokens at once; the library's generate() yields per token

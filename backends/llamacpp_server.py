@@ -186,6 +186,11 @@ class LlamaServerBackend(Backend):
                       True: spec_flags(self.method, self.k) + no_repack}
 
     @classmethod
+    def engine_config(cls, method: dict, k: int | None) -> list[str]:
+        """llama-server's flags (spec_flags, the table above); off: --spec-type none."""
+        return spec_flags({"name": "autoregressive"} if k is None else method, k or 1)
+
+    @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         reject_unknown(settings, ("threads", "ctx_per_slot", "binary", "port", "startup_timeout_s", "repack",
                                   "request_timeout_s"), "llamacpp_server")

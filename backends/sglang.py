@@ -145,6 +145,11 @@ class SGLangBackend(Backend):
     supported_methods = METHODS
     server = False
 
+    @classmethod
+    def engine_config(cls, method: dict, k: int | None) -> list[str]:
+        """SGLang's server arguments (speculative_args as launch_server flags); off: none."""
+        return [] if k is None else cli_flags(speculative_args(method, k))
+
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
                  dtype: str = "auto", context_length: int = 2048, max_running_requests: int = 8,
                  mem_fraction_static: float = 0.5, disable_cuda_graph: bool = False, startup_timeout_s: float = 900.0,

@@ -117,6 +117,13 @@ class VLLMBackend(Backend):
     ttft_source, emit_granularity = "engine", "none"
     supported_methods = METHODS
 
+    @classmethod
+    def engine_config(cls, method: dict, k: int | None) -> list[str]:
+        """vLLM's --speculative-config JSON (speculative_config; the same dict LLM() and the server
+        are given); off: no flag."""
+        spec = None if k is None else speculative_config(method, k)
+        return [] if spec is None else ["--speculative-config", json.dumps(spec)]
+
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
                  dtype: str = "float32", max_model_len: int = 2048, max_num_seqs: int = 8,
                  gpu_memory_utilization: float = 0.25, enforce_eager: bool = True, startup_timeout_s: float = 900.0,

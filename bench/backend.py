@@ -190,6 +190,16 @@ class Backend(abc.ABC):
         bad value and what is valid. Run for every job of a sweep before the first one starts."""
 
     @classmethod
+    def engine_config(cls, method: dict, k: int | None) -> list[str] | None:
+        """How a user runs `method` at draft length k on this engine, in the engine's own syntax:
+        the command-line arguments (vLLM's --speculative-config JSON, SGLang's server arguments,
+        llama-server's flags, specsweep's overrides) as a list, k None for speculation off ([]:
+        the engine's defaults are off). From the same mapping the adapter runs the method with. A
+        ValueError names what the method lacks on this engine (a draft model's path); None: the
+        adapter cannot say (the engine is configured outside specsweep)."""
+        return None
+
+    @classmethod
     def baseline_key(cls, method: dict) -> dict:
         """What of the method config changes this engine's baseline path (the same engine with
         speculation off): part of a shared baseline's identity, so that two methods whose

@@ -71,3 +71,32 @@ def is_lookup(method) -> bool:
     """A drafter that runs no model (n-gram, suffix): cheap to draft, cost a share of the verify."""
     return drafter_kind(method) == "lookup"
 
+
+
+def method_defaults(name: str) -> dict:
+    """conf/method/<name>.yaml as a dict ({} for a method without one)."""
+    f = METHOD_DIR / f"{name}.yaml"
+    return OmegaConf.to_container(OmegaConf.load(f)) if f.exists() else {}
+
+
+def _hydra_value(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_hydra_value(x) for x in v) + "]"
+    return str(v)
+
+
+def specsweep_overrides(backend: str, method: dict, k: int | None) -> list[str]:
+    """specsweep's command-line overrides that run `method` at draft length k on `backend` (k None:
+    speculation off, the baseline method): backend, method, num_speculative_tokens, and each
+    method.KEY whose value differs from conf/method/<name>.yaml's."""
+    if k is None:
+        return [f"backend={backend}", "method=autoregressive"]
+    name = method["name"]
+    defaults = method_defaults(name)
+    knobs = [f"method.{key}={_hydra_value(v)}" for key, v in method.items()
+             if key not in ("name", "speculative", "drafter") and defaults.get(key) != v]
+    return [f"backend={backend}", f"method={name}", f"num_speculative_tokens={k}"] + knobs

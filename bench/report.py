@@ -272,6 +272,11 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     if len(errs):
         lines += ["## Jobs that did not complete", ""] + [f"- `{r.job}`: {r.status}: {r.error}" for _, r in errs.iterrows()] + [""]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in made] + [""]
+    from .tuned import markdown as tuned_markdown, tuned_configs
+
+    tuned, notes = tuned_configs(df, sweep_dir)  # the decision report ends with the engines' own configs
+    tuned.to_csv(out / "tuned_configs.csv", index=False)
+    lines += [tuned_markdown(tuned, notes)]
     (out / "summary.md").write_text("\n".join(lines))
     (out / "index.json").write_text(json.dumps([p.name for p in made]))
     return out

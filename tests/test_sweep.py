@@ -155,6 +155,9 @@ def test_report_command(tmp_path, tiny_llama):
     assert r.returncode == 0, r.stderr
     out = tmp_path / "rep" / "report"
     assert (out / "acceptance_vs_temperature.png").exists() and (out / "summary.md").exists()
+    tuned = (out / "summary.md").read_text().split("## Tuned engine configs")  # the decision report ends with them
+    assert len(tuned) == 2 and "### native" in tuned[1] and "## " not in tuned[1].replace("### ", "")
+    assert "`backend=native method=" in tuned[1] and (out / "tuned_configs.csv").exists()
     idx = pd.read_parquet(tmp_path / "rep" / "index.parquet")
     assert set(idx.lossless) == {"true", "n/a"}  # sampling has no token-for-token check
     r = subprocess.run(["specsweep-report", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=300)

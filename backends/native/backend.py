@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, reject_unknown
+from bench.methods import specsweep_overrides
 
 from ..cpu_probe import cpu_identity
 from . import kernels
@@ -94,6 +95,14 @@ class NativeBackend(Backend):
                 if not Path(method[key]).expanduser().exists():
                     raise FileNotFoundError(f"method.{key}={method[key]!r} does not exist; pass an existing "
                                             f"{'model file or folder' if key == 'draft_path' else 'head folder'}")
+
+    @classmethod
+    def engine_config(cls, method: dict, k: int | None) -> list[str]:
+        """specsweep's own overrides: this engine is specsweep's."""
+        if k is not None and method.get("name") not in METHODS:
+            raise ValueError(f"method {method.get('name')!r} is not supported by backend native; it supports "
+                             f"{', '.join(METHODS)}")
+        return specsweep_overrides(cls.name, method, k)
 
     def weight_bytes_per_step(self) -> int:
         seen, total = set(), 0  # a tied embedding/output matrix is read once, by the output product
