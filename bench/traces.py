@@ -78,7 +78,25 @@ def method_config(name: str, job_cfg) -> dict:
     return m
 
 
-def build_traces(job_dir: Path, methods: list[str], k: int | None = None) -> tuple[list[dict], dict]:
+def parse_sets(items, methods) -> dict[str, dict]:
+    """--set METHOD.KEY=VALUE items as {method: {key: value}} (VALUE read as YAML: 6, true, [4, 8]);
+    a malformed item or a method not traced is a ValueError saying what is valid."""
+    out: dict[str, dict] = {}
+    for item in items or ():
+        left, sep, value = item.partition("=")
+        name, dot, key = left.partition(".")
+        if not sep or not dot or not name or not key:
+            raise ValueError(f"--set {item!r} is not valid; use METHOD.KEY=VALUE, e.g. draft_model.draft_layers=6")
+        if name not in methods:
+            raise ValueError(f"--set {item!r}: method {name!r} is not traced here; --methods has {', '.join(methods)}")
+        import yaml
+
+        out.setdefault(name, {})[key] = yaml.safe_load(value)
+    return out
+
+
+def build_traces(job_dir: Path, methods: list[str], k: int | None = None,
+                 sets: dict[str, dict] | None = None) -> tuple[list[dict], dict]:
     job_dir = Path(job_dir)
     if not (job_dir / "config.yaml").exists() or not (job_dir / "requests.parquet").exists():
         raise ValueError(f"{job_dir} is not a completed job folder (needs config.yaml and requests.parquet)")
@@ -93,7 +111,7 @@ def build_traces(job_dir: Path, methods: list[str], k: int | None = None) -> tup
              "generated_token_ids": [int(x) for x in r.output_token_ids]} for _, r in base.iterrows()]
     notes = {}
     for name in methods:
-        mcfg = method_config(name, cfg)
+        mcfg = {**method_config(name, cfg), **(sets or {}).get(name, {})}
         knobs = replayed_lookup(mcfg)
         if knobs is not None:
             for r in rows:
@@ -123,7 +141,7 @@ def build_traces(job_dir: Path, methods: list[str], k: int | None = None) -> tup
             if probs is not None:
                 r[f"acc_{name}"]["draft_prob"] = cycle_draft_probs(np.asarray(probs[j], dtype=np.float64)[P : P + G], k,
                                                                    chains)
-    return rows, {"k": k, "notes": notes, "job": job_dir.name}
+    return rows, {"k": k, "notes": notes, "job": job_dir.name, "set": sets or {}}
 
 
 def main(argv=None) -> int:
@@ -131,10 +149,13 @@ def main(argv=None) -> int:
     ap.add_argument("job_dir", help="a job folder: results/<sweep>/<job>")
     ap.add_argument("--methods", nargs="+", default=["ngram"], help="ngram, draft_model, layer_skip, eagle, eagle3, p_eagle, mtp (default: ngram)")
     ap.add_argument("--k", type=int, help="draft length (default: the job's num_speculative_tokens)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="METHOD.KEY=VALUE",
+                    help="a method's knob for its trace, over conf/method/<name>.yaml's (and the job's own), e.g. "
+                         "draft_model.draft_layers=6")
     ap.add_argument("--out", help="output JSONL (default: <job_dir>/traces.jsonl)")
     a = ap.parse_args(argv)
     try:
-        rows, meta = build_traces(Path(a.job_dir), a.methods, a.k)
+        rows, meta = build_traces(Path(a.job_dir), a.methods, a.k, parse_sets(a.set, a.methods))
     except (ValueError, FileNotFoundError) as e:
         print(f"specsweep-trace: {e}", file=sys.stderr)
         return 2

@@ -167,3 +167,14 @@ def test_traces_of_a_job_record_match_lengths_and_draft_probabilities(tmp_path, 
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     t = load_traces(out)[0]
     assert t.confidence["draft_model"].shape == (len(gens[0]), 3) and t.matched["ngram"].max() <= 3
+
+
+def test_set_gives_a_method_its_knobs_for_the_trace():
+    from bench.traces import parse_sets
+
+    assert parse_sets(["draft_model.draft_layers=6", "ngram.prefer_recent=false"], ["ngram", "draft_model"]) == {
+        "draft_model": {"draft_layers": 6}, "ngram": {"prefer_recent": False}}
+    with pytest.raises(ValueError, match="use METHOD.KEY=VALUE"):
+        parse_sets(["draft_layers=6"], ["draft_model"])
+    with pytest.raises(ValueError, match="method 'eagle3' is not traced here"):
+        parse_sets(["eagle3.head_path=/h"], ["draft_model"])
