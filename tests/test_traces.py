@@ -178,3 +178,25 @@ def test_set_gives_a_method_its_knobs_for_the_trace():
         parse_sets(["draft_layers=6"], ["draft_model"])
     with pytest.raises(ValueError, match="method 'eagle3' is not traced here"):
         parse_sets(["eagle3.head_path=/h"], ["draft_model"])
+
+
+def test_a_heads_chain_probabilities_are_its_softmax_at_the_drafted_tokens(tiny_llama, tmp_path):
+    """An EAGLE-3 head (random weights, the published layout): with_probs changes no chain, and
+    each drafted token's probability is the largest of the head's softmax over its draft
+    vocabulary (it drafts greedily), so at least 1 / draft vocabulary and at most 1."""
+    import torch
+
+    from backends.native.heads import new_eagle3_head, save_eagle3_head
+    from backends.native.loading import load_model
+
+    _, _, args, _ = load_model(str(tiny_llama))
+    ids = torch.randperm(args.vocab_size, generator=torch.Generator().manual_seed(0))[:300]
+    save_eagle3_head(new_eagle3_head(args, ids, init_std=0.3, seed=0), tmp_path / "h")
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "eagle3", "head_path": str(tmp_path / "h")},
+                      num_speculative_tokens=3)
+    seq = b.tokenize(PROMPTS[1])
+    chains, note, probs = b.draft_predictions([seq], with_probs=True)
+    assert note.startswith("exact") and np.array_equal(chains[0], b.draft_predictions([seq])[0][0])
+    p = probs[0]
+    assert p.shape == chains[0].shape == (len(seq), 3) and np.isnan(p[:2]).all()
+    assert (p[2:] >= 1 / 300 - 1e-6).all() and (p[2:] <= 1 + 1e-6).all() and p[2:].std() > 0
