@@ -195,7 +195,9 @@ def tuned_configs(df: pd.DataFrame, sweep_dir: Path) -> tuple[pd.DataFrame, list
                 add(be, w, t, level, best.method, k, "measured", best.speedup, best.speedup_ci_low, best.speedup_ci_high,
                     ev, note)
             else:
-                why = "its interval includes 1" if best.speedup > 1 else "every method measured slower"
+                why = ("no interval: too few batch pairs to tell (more prompts or repeats give one)"
+                       if best.speedup > 1 and math.isnan(best.speedup_ci_low) else
+                       "its interval includes 1" if best.speedup > 1 else "every method measured slower")
                 add(be, w, t, level, None, None, "measured", best.speedup, best.speedup_ci_low, best.speedup_ci_high,
                     f"best {ev}: {why}", note)
         elif len(sim):
@@ -216,7 +218,7 @@ def tuned_configs(df: pd.DataFrame, sweep_dir: Path) -> tuple[pd.DataFrame, list
         k = int(best.num_speculative_tokens)
         ev = (f"measured tpot_speedup {_f(best.tpot_speedup)} [{_f(best.tpot_speedup_low)}, {_f(best.tpot_speedup_high)}] "
               f"(the repeats' range; {best.method} k={k}, `{best.job}`)")
-        if best.tpot_speedup_low > 1:
+        if best.tpot_speedup_low > 1:  # a single repeat's range is the point itself
             add(be, w, float(t), f"{kind} {lvl:g}", best.method, k, "measured", best.tpot_speedup, best.tpot_speedup_low,
                 best.tpot_speedup_high, ev)
         else:

@@ -195,6 +195,7 @@ def test_tuned_configs_from_measured_rows_and_the_simulator(tmp_path):
          tpot_speedup=1.4, tpot_speedup_low=1.2, tpot_speedup_high=1.6)
     _job(sweep, "e", "vllm", "ngram", "code_edit", 1, 3, 1.6, 1.3, 1.9, target="backends.vllm.VLLMBackend")
     _job(sweep, "f", "vllm", "draft_model", "code_edit", 4, 3, 1.6, 1.3, 1.9, target="backends.vllm.VLLMBackend")
+    _job(sweep, "h", "vllm", "ngram", "code_edit", 2, 3, 1.4, None, None, target="backends.vllm.VLLMBackend")  # one pair
     _toy_traces(a / "traces.jsonl")
     (a / "cycles.parquet").write_bytes(b"")  # the cost model's cycles are the native engine's (only their existence is read)
     cost = {"name": "toy", "target": {"c_kv": 1e-7, "c_compute": 1e-4, "c_fixed": 0.02}, "overhead_per_step": 0.001,
@@ -216,6 +217,8 @@ def test_tuned_configs_from_measured_rows_and_the_simulator(tmp_path):
     r = row[("vllm", "batch 1")]
     assert shlex.split(r.config) == ["--speculative-config", json.dumps(speculative_config(NGRAM, 3))]
     assert row[("vllm", "batch 4")].config.startswith("n/a on this engine: method draft_model on backend vllm needs")
+    r = row[("vllm", "batch 2")]  # faster, but with no interval: not enough to switch it on
+    assert r.use == "off" and "no interval: too few batch pairs" in r.rests_on and r.config == "(no speculative arguments: the engine's default, off)"
     # the simulator: the native engine's batch 2 (a load point, not a static row) has no measured
     # row, batch 1 and 4 do; traced k = 1..4 for both methods at every static batch size it has
     traces = load_traces(a / "traces.jsonl")
