@@ -30,7 +30,9 @@ ALPHA, KMAX on one half of the requests (tune_split, seed TUNE_SEED) and scores 
 a neural draft is charged per cycle or per head step (DraftCost.per, --neural-draft-charge).
 
 The package:
-- tracefile.py  Trace, TraceError, load_traces: the interchange format, read and checked;
+- tracefile.py  Trace, TraceError, load_traces: the interchange format, read and checked (acc_len, and
+                where recorded draft_len, match_len, draft_prob); recompute_lookup, parse_lookup: a
+                lookup's draft_len and match_len recomputed from token ids (--lookup-from-tokens);
 - policies.py   Policy, Context, the published policies, POLICIES, Policy.parse, default_policies;
 - adaptive.py   the realizable adaptive policies; dp.py the dp bound;
 - simulate.py   trajectory, request_times, simulate (repeat batches, as published),
