@@ -68,7 +68,7 @@ def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
     mixed = cycles.mixed_drafters if "mixed_drafters" in cycles else False
     for m, g in cycles[(cycles.method != "autoregressive") & (cycles.kmax > 0) & ~mixed].groupby("method"):
         kind = g.drafter.iloc[0] if "drafter" in g else drafter_kind(m)
-        if kind == "lookup":  # no model forward: its drafting time is a share of the verify's
+        if kind in ("lookup", "synthetic"):  # no model forward: its drafting time is a share of the verify's
             model["drafters"][m] = {"kind": "relative", "fraction": float((g.t_draft / g.t_verify).median())}
             model["fit"][m] = {"cycles": len(g), "t_draft_median_s": float(g.t_draft.median())}
             continue

@@ -9,6 +9,13 @@ here, so that no part of the harness decides by a method's name.
 | head    | a head on the target's features (EAGLE, MTP)       | a small forward per token    |
 | layers  | the target with layers skipped (self-speculation)  | a partial target forward     |
 | mixed   | several of the above, chosen per cycle (combined)  | that of the one chosen       |
+| synthetic | nothing real: acceptance forced per position     | none (host work)             |
+
+A synthetic method measures an engine's cost surface (k x batch x acceptance) apart from any
+drafter's quality: the engine drafts placeholder tokens and its verifier accepts as many as a
+draw from the requested per-position rates says (`synthetic_rates`), as vLLM's
+`rejection_sample_method: synthetic` and llama-server's `--spec-synth-rates` do. Its output is
+then not the target's, so losslessness is not checked (`forces_acceptance`).
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-DRAFTER_KINDS = ("none", "lookup", "model", "head", "layers", "mixed")
+DRAFTER_KINDS = ("none", "lookup", "model", "head", "layers", "mixed", "synthetic")
 METHOD_DIR = Path(__file__).resolve().parent.parent / "conf" / "method"
 
 
@@ -71,3 +78,51 @@ def is_lookup(method) -> bool:
     """A drafter that runs no model (n-gram, suffix): cheap to draft, cost a share of the verify."""
     return drafter_kind(method) == "lookup"
 
+
+
+def drafts_without_model(method) -> bool:
+    """No model forward drafts (a lookup, or forced acceptance): drafting costs a share of the
+    verify, fitted and priced as such (costmodel's `relative` kind)."""
+    return drafter_kind(method) in ("lookup", "synthetic")
+
+
+def forces_acceptance(method) -> bool:
+    """The verifier's acceptance is forced (a synthetic method): the output is not the target's."""
+    return drafter_kind(method) == "synthetic"
+
+
+def synthetic_rates(method, k: int) -> list[float]:
+    """A synthetic method's forced acceptance for draft length k: per position j = 1..k the
+    unconditional probability that the first j draft tokens are all accepted (vLLM's
+    `synthetic_acceptance_rates`, llama-server's `--spec-synth-rates`). From
+    `method.acceptance_rates` (in [0, 1], non-increasing, at least k entries: the first k are
+    used) or, when that is null, `method.acceptance_rate` r: every position accepted with
+    probability r given the one before it, i.e. r, r^2, ..., r^k."""
+    rates, r = method.get("acceptance_rates"), method.get("acceptance_rate")
+    if rates is None:
+        if r is None or isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise ValueError(f"method.acceptance_rate={r!r} is not valid; use a number in [0, 1] (or give "
+                             "method.acceptance_rates=[u1,...,uk], the unconditional per-position rates)")
+        return [float(r) ** j for j in range(1, k + 1)]
+    try:
+        rates = [float(x) for x in rates]
+    except (TypeError, ValueError):
+        raise ValueError(f"method.acceptance_rates={rates!r} is not valid; use a list of numbers in [0, 1]") from None
+    if len(rates) < k:
+        raise ValueError(f"method.acceptance_rates has {len(rates)} entries but num_speculative_tokens={k}; give at "
+                         f"least {k} (one per draft position; extra ones are ignored)")
+    rates = rates[:k]
+    if not all(0 <= x <= 1 for x in rates) or any(b > a for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"method.acceptance_rates={rates} is not valid: position j's rate is the probability that "
+                         "the first j drafts are all accepted, so each must lie in [0, 1] and none exceed the one "
+                         "before it")
+    return rates
+
+
+def conditional_rates(rates: list[float]) -> list[float]:
+    """Unconditional per-position rates -> acceptance of position j given j - 1 accepted."""
+    prev, out = 1.0, []
+    for u in rates:
+        out.append(u / prev if prev > 0 else 0.0)
+        prev = u
+    return out

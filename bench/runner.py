@@ -20,6 +20,7 @@ from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 from . import environment, load, metrics
 from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, instantiate_backend
 from .config import ConfigError, validate
+from .methods import forces_acceptance
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
                       read_json, short_hash, write_manifest,
                       write_json, write_parquet, write_text)
@@ -500,7 +501,10 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
         s.update(metrics.time_fractions(cyc))
     else:
         s.update(tokens_per_forward=math.nan, verify_fraction=math.nan, draft_fraction=math.nan, other_fraction=math.nan)
-    if speculative:
+    s["acceptance_forced"] = speculative and forces_acceptance(c["method"])
+    if s["acceptance_forced"]:  # the verifier kept a drawn count of placeholder tokens: not the target's output
+        s["lossless"] = "n/a"
+    elif speculative:
         s["lossless"], s["lossless_divergences"], s["lossless_near_ties"], s["lossless_detail"] = _lossless(c, base_req, spec_req)
     else:
         s["lossless"] = "n/a"

@@ -7,10 +7,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, reject_unknown
+from bench.methods import synthetic_rates
 
 from ..cpu_probe import cpu_identity
 from . import kernels
-from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
+from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, SyntheticDrafter
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
 from .scheduler import serve
@@ -18,7 +19,8 @@ from .loading import load_model
 from .model import linear
 from .sampling import SamplingParams
 
-METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined")
+METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
+           "synthetic")
 NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp")
 log = logging.getLogger("specsweep")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
@@ -150,6 +152,10 @@ class NativeBackend(Backend):
             min_match = m.get("min_match", 1)
             return CombinedDrafter(ngram, inner, min_match,
                                    f"n-gram when it matches >= {min_match} token(s), else {inner.label}")
+        if name == "synthetic":
+            rates = synthetic_rates(m, k)
+            return SyntheticDrafter(k, rates, f"synthetic: acceptance forced at the verifier, unconditional per-position "
+                                              f"rates {[round(x, 4) for x in rates]}")
         raise AssertionError(name)
 
     def _load_head(self, name: str, head_path: str | None):

@@ -102,10 +102,17 @@ def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, 
     return out.finished_by != "eos" and len(out.tokens) < max_new_tokens
 
 
-def _verify(logits, toks, need, drafts, qs, sp, gen) -> list[tuple[int, list[int]]]:
+def _verify(logits, toks, need, drafts, qs, sp, gen, forced=None) -> list[tuple[int, list[int]]]:
     """Per row: (draft tokens accepted, tokens emitted = the accepted draft + the target's next).
     Greedy stays on the device but for K + 2 integers a row; sampling draws on the host, from
-    the CPU generator the run is seeded with."""
+    the CPU generator the run is seeded with. forced (a synthetic drafter's): per row the count
+    to accept whatever the tokens; the target chooses the token after them."""
+    if forced is not None:
+        starts = torch.tensor([len(d) + 1 for d in drafts]).cumsum(0) - torch.tensor([len(d) + 1 for d in drafts])
+        at = (starts + torch.tensor(forced)).to(logits.device)
+        logits = logits[at]
+        nxt, _ = select(logits.float().cpu() if not sp.greedy else logits, sp, gen)
+        return [(a, d[:a] + [int(t)]) for d, a, t in zip(drafts, forced, nxt.tolist())]
     if sp.greedy:
         target = torch.full_like(toks, -1)
         target[need] = logits.argmax(-1)  # [B, K + 1]: the target's token after each draft prefix
@@ -145,7 +152,7 @@ def cycle(model: Target, drafter: Drafter, rows: list[Row], sp: SamplingParams, 
                    logits_for=need_t, capture=drafter.capture)
     logits, feats = logits if drafter.capture else (logits, None)
     t2 = _clock(dev)
-    verdicts = _verify(logits, toks_t, need_t, drafts, prop.probs, sp, gen)
+    verdicts = _verify(logits, toks_t, need_t, drafts, prop.probs, sp, gen, prop.forced)
     margins, at = _top2_margin(logits) if record_margins else None, 0  # flat over the rows' verified positions
     old_lens, still = [len(r.seq) for r in rows], []
     for r, d, (a, new) in zip(rows, drafts, verdicts):
