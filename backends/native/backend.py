@@ -11,6 +11,7 @@ from bench.methods import synthetic_rates
 
 from ..cpu_probe import cpu_identity
 from . import kernels
+from .adaptive import AdaptiveDrafter
 from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, SyntheticDrafter
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
@@ -20,7 +21,9 @@ from .model import linear
 from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
-           "synthetic")
+           "synthetic", "adaptive")
+# what an adaptive policy may choose between: drafters that keep to their own rows' state
+ADAPTIVE_DRAFTERS = ("ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp")
 NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp")
 log = logging.getLogger("specsweep")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
@@ -42,6 +45,40 @@ class NativeConfig:
             raise ValueError(f"backend.device={self.device!r} but CUDA is not available here; use backend.device=cpu")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null (torch's default)")
+
+
+def adaptive_policy(m: dict):
+    """method=adaptive's policy (method.policy, in specsweep-oracle's --policies syntax; one of the
+    realizable adaptive kinds) and, for policies that price their choices, a Context factory (by
+    batch size) from method.cost_model (a specsweep-fit-cost file or a named model) and
+    method.accounting."""
+    from bench.oracle.adaptive import Adaptive
+    from bench.oracle.policies import POLICIES, Context, Policy
+
+    spec = m.get("policy")
+    kinds = [k for k, c in POLICIES.items() if issubclass(c, Adaptive)]
+    if not isinstance(spec, str):
+        raise ValueError(f"method.policy={spec!r} is not valid; give a policy spec of kind {', '.join(kinds)} "
+                         "(e.g. match:ngram+draft_model:1:8:4; see specsweep-oracle --help)")
+    policy = Policy.parse(spec)
+    if not isinstance(policy, Adaptive):
+        raise ValueError(f"method.policy={spec!r}: the engine runs realizable adaptive policies only; use a kind of "
+                         f"{', '.join(kinds)}")
+    bad = [n for n in policy.methods if n not in ADAPTIVE_DRAFTERS]
+    if bad:
+        raise ValueError(f"method.policy={spec!r} names {', '.join(bad)}; an adaptive policy chooses between "
+                         f"{', '.join(ADAPTIVE_DRAFTERS)}")
+    if not policy.batch_aware:
+        return policy, None
+    if not m.get("cost_model"):
+        raise ValueError(f"method.policy={spec!r} prices its choices: give method.cost_model (a specsweep-fit-cost "
+                         "YAML of this engine, or a named model such as llama3.1-8b-h100)")
+    from bench.costmodel import load_cost_model
+
+    cost, accounting = load_cost_model(str(m["cost_model"])), m.get("accounting", "faithful")
+    if accounting not in ("faithful", "optimistic"):
+        raise ValueError(f"method.accounting={accounting!r} is not valid; use faithful or optimistic")
+    return policy, lambda batch: Context(cost, batch, accounting)
 
 
 def _load(path: str, dtype: str, device: str):
@@ -82,6 +119,8 @@ class NativeBackend(Backend):
         reject_unknown(settings, [f.name for f in fields(NativeConfig)], "native")
         NativeConfig(**settings)
         resolve_model_path(model["path"])
+        if method.get("name") == "adaptive":
+            adaptive_policy(method)
         for key in ("draft_path", "head_path"):
             if method.get(key):
                 from pathlib import Path
@@ -152,6 +191,12 @@ class NativeBackend(Backend):
             min_match = m.get("min_match", 1)
             return CombinedDrafter(ngram, inner, min_match,
                                    f"n-gram when it matches >= {min_match} token(s), else {inner.label}")
+        if name == "adaptive":
+            policy, context = adaptive_policy(m)
+            subs = [self._make_drafter(n, {**m, "name": n}) for n in policy.methods]
+            return AdaptiveDrafter(policy, list(policy.methods), subs, k,
+                                   f"adaptive: policy {policy.name} (k at most {k}) over "
+                                   + "; ".join(f"{n}: {d.label}" for n, d in zip(policy.methods, subs)), context)
         if name == "synthetic":
             rates = synthetic_rates(m, k)
             return SyntheticDrafter(k, rates, f"synthetic: acceptance forced at the verifier, unconditional per-position "
