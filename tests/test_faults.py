@@ -131,6 +131,25 @@ def test_a_results_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
     assert "is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_report_that_fails_is_exit_1_with_the_results_kept(tmp_path, tiny_llama):
+    """Hydra turns an exception in its end-of-sweep callback into a warning; the report's failure
+    must still show in the exit status. The failure is injected into the sweep's own process by a
+    sitecustomize on its PYTHONPATH (write_report raising)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import bench.report\n"
+        "def _fail(*a, **k):\n    raise RuntimeError('injected report failure')\n"
+        "bench.report.write_report = _fail\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=s", "model=local",
+                        f"model.path={tiny_llama}", "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1",
+                        "max_new_tokens=4", "repeats=1"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "the report failed: RuntimeError: injected report failure" in r.stderr and "specsweep-report" in r.stderr
+    assert [json.loads(p.read_text())["status"] for p in (tmp_path / "s").glob("*/summary.json")] == ["ok"]
+
+
 # ------------------------------------------------------------------ inputs
 
 def test_an_empty_prompt_is_refused_with_its_id(tmp_path):
