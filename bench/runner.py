@@ -394,11 +394,25 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                          pairs=_pairs(base_batches, spec_batches) if speculative else None))
     if plan is not None:
         out.update(load_summary(c, base, spec if speculative else base, base_req, spec_req if speculative else base_req,
-                                base_cyc, spec_cyc if speculative else base_cyc))
+                                base_cyc, spec_cyc if speculative else base_cyc, own_base_steps,
+                                spec_steps if speculative else own_base_steps))
     return out
 
 
-def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, base_cyc, spec_cyc) -> dict:
+def running_batch(cyc: pd.DataFrame, steps: pd.DataFrame | None) -> float:
+    """Rows a verify served, averaged over a run's verifies: from the per-cycle trace where the
+    engine has one, else from the engine's own timed decode steps (vLLM's timing plugin logs each
+    step's rows), else unknown."""
+    if len(cyc):
+        return float(metrics.batched_cycles(cyc).rows.mean())
+    if steps is not None and len(steps) and "rows" in steps.columns:
+        decode = steps[steps.decode.astype(bool)] if "decode" in steps.columns else steps
+        return float(decode.rows.mean()) if len(decode) else math.nan
+    return math.nan
+
+
+def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, base_cyc, spec_cyc, base_steps=None,
+                 spec_steps=None) -> dict:
     """A load point's serving metrics for both arms (docs/metrics.md, "Under load"): rates per run
     (medians over repeats), latency percentiles over every request, the mean running batch, and
     the SD-on-against-off ratios: tpot_speedup = baseline p50 TPOT / spec p50 TPOT, its range
@@ -406,7 +420,8 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
     slo = c.get("slo") or {}
     out = {}
     per_arm = {}
-    for arm, m, req, cyc in (("", spec, spec_req, spec_cyc), ("baseline_", base, base_req, base_cyc)):
+    for arm, m, req, cyc, steps in (("", spec, spec_req, spec_cyc, spec_steps),
+                                    ("baseline_", base, base_req, base_cyc, base_steps)):
         runs = [load.run_metrics(req[req.repeat == r], o.wall_s, slo.get("ttft_ms"), slo.get("tpot_ms"))
                 for r, _, _, o in m.runs]
         for key in ("request_throughput", "output_tokens_per_s", "goodput_rps", "slo_met_share"):
@@ -416,8 +431,7 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
         out.update(metrics.percentiles([x for l in req.itl_s for x in l], (50, 90, 99), prefix=f"{arm}itl_"))
         out[arm + "mean_in_flight"] = float(np.median([load.mean_in_flight(req[req.repeat == r], o.wall_s)
                                                        for r, _, _, o in m.runs])) if m.runs else math.nan
-        # rows a verify served, averaged over the run's verifies (from the trace, where there is one)
-        out[arm + "mean_running_batch"] = (float(metrics.batched_cycles(cyc).rows.mean()) if len(cyc) else math.nan)
+        out[arm + "mean_running_batch"] = running_batch(cyc, steps)
         per_arm[arm] = req
     s, b = per_arm[""], per_arm["baseline_"]
     ratios = [float(b[b.repeat == r].tpot_s.median() / s[s.repeat == r].tpot_s.median()) for r in sorted(set(s.repeat))]

@@ -50,6 +50,18 @@ def test_crossover_is_the_highest_level_that_still_paid():
     assert not crossover(rows).iloc[0].clean
 
 
+def test_the_running_batch_comes_from_the_trace_else_the_engines_decode_steps():
+    import pandas as pd
+
+    from bench.runner import running_batch
+
+    cyc = pd.DataFrame({"run": "spec", "repeat": 0, "batch": 0, "cycle": [0, 0, 1], "kv_len": 1, "batch_rows": [2, 2, 1],
+                        "drafted": 1, "t_verify": 0.1, "t_draft": 0.0, "t_other": 0.0})
+    assert running_batch(cyc, None) == 1.5  # cycles of 2 and 1 rows
+    steps = pd.DataFrame({"rows": [3, 4, 8], "decode": [True, True, False]})  # vLLM's plugin: the prefill step is not a verify
+    assert running_batch(pd.DataFrame(), steps) == 3.5
+    assert running_batch(pd.DataFrame(), pd.DataFrame()) != running_batch(pd.DataFrame(), pd.DataFrame())  # NaN: unknown
+
 @pytest.mark.parametrize("overrides, expected", [
     (["load=concurrency", "load.level=0"], "load.level=0: a concurrency is a whole number of requests, 1 or more"),
     (["load=rate", "load.level=-1"], "load.level=-1: a rate is requests per second, a positive number"),
