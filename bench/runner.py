@@ -515,7 +515,7 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
         s.update(metrics.time_fractions(cyc))
     else:
         s.update(tokens_per_forward=math.nan, verify_fraction=math.nan, draft_fraction=math.nan, other_fraction=math.nan)
-    s["acceptance_forced"] = speculative and forces_acceptance(c["method"])
+    s["acceptance_forced"] = bool(speculative and c.get("method") and forces_acceptance(c["method"]))
     if s["acceptance_forced"]:  # the verifier kept a drawn count of placeholder tokens: not the target's output
         s["lossless"] = "n/a"
     elif speculative:
