@@ -65,7 +65,7 @@ def spec_flags(method: dict, k: int) -> list[str]:
                 f"--spec-{t}-min-hits", str(method.get("min_hits", 1))] + n_max
     if name == "ngram_mod":
         return ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", str(method.get("n_min", 1)),
-                "--spec-ngram-mod-n-max", str(method.get("n_max", k)), "--spec-ngram-mod-n-match",
+                "--spec-ngram-mod-n-max", str(method.get("n_max") or k), "--spec-ngram-mod-n-match",
                 str(method.get("n_match", 24))] + n_max
     if name == "ngram_cache":
         return ["--spec-type", "ngram-cache"] + n_max

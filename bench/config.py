@@ -8,7 +8,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .load import check as load_check
-from .methods import DRAFTER_KINDS, synthetic_rates
+from .methods import DRAFTER_KINDS, method_key_problems, synthetic_rates
 
 
 @dataclass
@@ -22,8 +22,9 @@ class MethodConfig:
     name: str = MISSING
     speculative: bool = True
     drafter: str = MISSING  # what drafts: none, lookup, model, head, layers or mixed (bench/methods.py)
-    # Method-specific knobs (min_ngram, draft_layers, skip_layers, ...) are free-form; the
-    # backend validates the ones it uses.
+    # Method-specific knobs (min_ngram, draft_layers, skip_layers, ...): those of the method's
+    # conf/method/<name>.yaml, its schema (bench/methods.py: split_method_keys); the backend
+    # validates their values.
 
 
 @dataclass
@@ -94,6 +95,7 @@ def validate(cfg) -> None:
             synthetic_rates(OmegaConf.to_container(cfg.method, resolve=True), cfg.num_speculative_tokens)
         except ValueError as e:
             problems.append(str(e))
+    problems += method_key_problems(cfg.method)
     if cfg.num_speculative_tokens < 0:
         problems.append(f"num_speculative_tokens={cfg.num_speculative_tokens}: use 0 or more")
     for key in ("max_new_tokens", "num_prompts", "repeats"):

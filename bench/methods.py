@@ -19,6 +19,7 @@ then not the target's, so losslessness is not checked (`forces_acceptance`).
 """
 from __future__ import annotations
 
+import difflib
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,12 +30,57 @@ METHOD_DIR = Path(__file__).resolve().parent.parent / "conf" / "method"
 
 
 @lru_cache(maxsize=None)
-def known_methods() -> dict[str, str]:
-    """Method name -> its drafter kind, for every config in conf/method."""
+def _method_configs() -> dict[str, dict]:
+    """Method name -> its config as conf/method/<name>.yaml writes it, for every file there."""
     out = {}
     for f in sorted(METHOD_DIR.glob("*.yaml")):
-        cfg = OmegaConf.load(f)
-        out[str(cfg.name)] = str(cfg.get("drafter", ""))
+        cfg = OmegaConf.to_container(OmegaConf.load(f))
+        out[str(cfg["name"])] = cfg
+    return out
+
+
+def known_methods() -> dict[str, str]:
+    """Method name -> its drafter kind, for every config in conf/method."""
+    return {name: str(cfg.get("drafter", "")) for name, cfg in _method_configs().items()}
+
+
+def method_schemas() -> dict[str, list[str]]:
+    """Method name -> its knobs: each method's conf/method/<name>.yaml is its schema, its keys
+    (each written there with its default) the only keys a job of that method may set."""
+    return {name: list(cfg) for name, cfg in _method_configs().items()}
+
+
+def split_method_keys(method) -> tuple[list[str], list[str]]:
+    """A job's method keys outside its method's schema, as (ignored, unknown). ignored: a knob of
+    another method in conf/method (a sweep over several methods sets one method's knob for all
+    its jobs: `method=ngram,draft_model ++method.draft_layers=1`); the job's engine is not given
+    it and its row lists it (method_ignored_keys). unknown: a knob of no method, a typo or a
+    `+key=` Hydra suggested: a configuration error (method_key_problems). A method without a
+    schema (a name not in conf/method) has nothing to check against: ([], [])."""
+    schemas = method_schemas()
+    own = schemas.get(str(method.get("name")))
+    if own is None:
+        return [], []
+    anyone = {k for keys in schemas.values() for k in keys}
+    extra = [str(k) for k in method if k not in own]
+    return [k for k in extra if k in anyone], [k for k in extra if k not in anyone]
+
+
+def method_key_problems(method) -> list[str]:
+    """For each key of the method that no method in conf/method knows: what is wrong and the
+    method's valid keys."""
+    name = str(method.get("name"))
+    _, unknown = split_method_keys(method)
+    if not unknown:
+        return []
+    own = method_schemas()[name]
+    anyone = sorted({k for keys in method_schemas().values() for k in keys})
+    out = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, anyone, n=1)
+        out.append(f"method.{key} is not a knob of method {name} (nor of any method in conf/method"
+                   f"{f'; did you mean {near[0]}?' if near else ''}); valid for {name}: {', '.join(own)} "
+                   f"(conf/method/{name}.yaml)")
     return out
 
 

@@ -20,7 +20,7 @@ from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 from . import environment, load, metrics
 from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, instantiate_backend
 from .config import ConfigError, validate
-from .methods import forces_acceptance
+from .methods import forces_acceptance, split_method_keys
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
                       read_json, short_hash, write_manifest,
                       write_json, write_parquet, write_text)
@@ -63,21 +63,31 @@ def check_results_dir(sweep: Path, job: str) -> None:
                           "results_dir you can write to")
 
 
-def check_job(cfg: DictConfig) -> None:
+def engine_method(c: dict) -> tuple[dict, list[str]]:
+    """The method config the engine is given, without the keys that are knobs of other methods
+    only (set for a multi-method sweep; bench/methods.py: split_method_keys), and those keys."""
+    ignored, _ = split_method_keys(c["method"])
+    return {k: v for k, v in c["method"].items() if k not in ignored}, ignored
+
+
+def check_job(cfg: DictConfig) -> list[str]:
     """Everything about one job that can be checked without loading a model (bench/sweeper.py runs
     this for every job of a multirun before the first runs): a ValueError (or FileNotFoundError)
-    saying what is wrong and what is valid."""
+    saying what is wrong and what is valid. Returns the method keys the job ignores (knobs of
+    other methods)."""
     validate(cfg)
     c = load.normalize(OmegaConf.to_container(cfg, resolve=True))
     check_backend_supports(c)
     check_results_dir(Path(c["results_dir"]).expanduser() / c["sweep_name"], job_name(c))
     settings = {k: v for k, v in c["backend"].items() if k not in ("_target_", "name")}
-    get_class(c["backend"]["_target_"]).check_config(settings, c["model"], c["method"], c["num_speculative_tokens"])
+    method, ignored = engine_method(c)
+    get_class(c["backend"]["_target_"]).check_config(settings, c["model"], method, c["num_speculative_tokens"])
     try:
         load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"],
                      **{k: v for k, v in c["workload"].items() if k != "name"})
     except WorkloadUnavailable:
         pass  # recorded as skipped when it runs
+    return ignored
 
 
 class Measurement:
@@ -187,7 +197,11 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         log.warning("rerun %s: %s", jdir.name, incomplete_reason(jdir) or "its last run did not succeed")
     for stale in (MANIFEST, "traceback.txt"):  # no manifest until this run's files are all written
         (jdir / stale).unlink(missing_ok=True)
-    row = {**_key_row(c), "job": jdir.name, "status": "running", "error": None}
+    method, ignored = engine_method(c)
+    row = {**_key_row(c), "job": jdir.name, "status": "running", "error": None, "method_ignored_keys": ignored}
+    if ignored:
+        log.info("%s: method %s ignores %s (knobs of other methods; listed in the row's method_ignored_keys)",
+                 jdir.name, c["method"]["name"], ", ".join(f"method.{k}" for k in ignored))
     write_text(jdir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     env_start = environment.snapshot()
     t_job = time.time()
@@ -198,7 +212,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         wparams = {k: v for k, v in c["workload"].items() if k != "name"}
         prompts = load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], **wparams)
         environment.read_bandwidth_gbs(measurement_device(c))  # for the roofline; before the model takes memory
-        backend = instantiate_backend(c["backend"], c["model"], c["method"], c["num_speculative_tokens"])
+        backend = instantiate_backend(c["backend"], c["model"], method, c["num_speculative_tokens"])
         backend.set_artifact_dir(jdir)
         phase = "measure"
         row.update(_measure(backend, c, prompts, root, jdir, progress_factory))

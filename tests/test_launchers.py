@@ -114,6 +114,8 @@ def test_ray_runs_the_sweep_on_two_workers_into_one_folder(tmp_path, tiny_llama,
     assert len(pids) >= 2 and os.getpid() not in pids  # Ray's worker processes ran the jobs, two at a time
     assert sorted(x["baseline_from"].split(" (")[1] for x in rows) == ["measured here)"] * 2 + ["reused)"] * 2
     assert len(list((sweep / "baselines").iterdir())) == 2
+    # draft_layers is draft_model's knob: the ngram jobs ignore it and say so
+    assert {x["method"]: x["method_ignored_keys"] for x in rows} == {"ngram": ["draft_layers"], "draft_model": []}
     # the cluster was this node alone, on the loopback address (as Ray's control service registered it)
     registered = [a for log in Path(ray_dir).glob("session_*/logs/gcs_server.out")
                   for a in re.findall(r"Registering new node.* node_address=(\S+)", log.read_text())]
