@@ -246,3 +246,40 @@ def test_mtp_on_a_mimo_layout_model(tmp_path):
     assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
     assert spec.spec_counters.drafts > 0 and spec.spec_counters.draft_tokens == spec.spec_counters.drafts
     Pool.stop_all()
+
+
+def test_a_sweep_killed_by_sigkill_leaves_no_vllm_process(tiny64, tmp_path):
+    """The sweep process SIGKILLed while vLLM runs its job: the worker, vLLM's EngineCore it
+    started (in the worker's process group) and everything else of the sweep are gone within
+    seconds, instead of holding their memory."""
+    import os
+    import signal
+    import time
+
+    from procs import alive, cmdline, descendants, in_group, pgid  # tests/procs.py
+
+    p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=k", "backend=vllm",
+                          "model=local", f"model.path={tiny64}", "method=ngram", "workload=code_edit", "batch_size=2",
+                          "num_prompts=2", "max_new_tokens=400", "repeats=3", "num_speculative_tokens=3", "report=false",
+                          "backend.gpu_memory_utilization=0.05", "backend.max_model_len=1024"],
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err.txt", "w"))
+    try:
+        deadline, cores = time.time() + 600, []
+        while time.time() < deadline and p.poll() is None and not cores:
+            cores = [c for c in descendants(p.pid) if cmdline(c).startswith("VLLM::EngineCore")]
+            time.sleep(0.2)
+        assert cores, f"no vLLM EngineCore was seen; the sweep said: {(tmp_path / 'err.txt').read_text()[-2000:]}"
+        time.sleep(3.0)
+        (worker,) = [c for c in descendants(p.pid) if "backends.vllm_worker" in cmdline(c)]
+        group = pgid(worker)
+        assert group == worker and set(cores) <= in_group(group)  # the engine's processes are in the worker's group
+        family = descendants(p.pid) | in_group(group)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    deadline = time.time() + 60
+    while time.time() < deadline and (alive(family) or in_group(group)):
+        time.sleep(0.5)
+    assert not alive(family) and not in_group(group), [cmdline(x) for x in alive(family) | in_group(group)]
