@@ -55,13 +55,17 @@ def split_method_keys(method) -> tuple[list[str], list[str]]:
     another method in conf/method (a sweep over several methods sets one method's knob for all
     its jobs: `method=ngram,draft_model ++method.draft_layers=1`); the job's engine is not given
     it and its row lists it (method_ignored_keys). unknown: a knob of no method, a typo or a
-    `+key=` Hydra suggested: a configuration error (method_key_problems). A method without a
-    schema (a name not in conf/method) has nothing to check against: ([], [])."""
+    `+key=` Hydra suggested: a configuration error (method_key_problems). A mixed drafter
+    (combined, adaptive) drafts with other methods' drafters, which read their own knobs from
+    its config: every method's knob is one of its own. A method without a schema (a name not in
+    conf/method) has nothing to check against: ([], [])."""
     schemas = method_schemas()
     own = schemas.get(str(method.get("name")))
     if own is None:
         return [], []
     anyone = {k for keys in schemas.values() for k in keys}
+    if method.get("drafter") == "mixed":
+        own = anyone
     extra = [str(k) for k in method if k not in own]
     return [k for k in extra if k in anyone], [k for k in extra if k not in anyone]
 
@@ -73,13 +77,15 @@ def method_key_problems(method) -> list[str]:
     _, unknown = split_method_keys(method)
     if not unknown:
         return []
-    own = method_schemas()[name]
+    own = ", ".join(method_schemas()[name])
+    if method.get("drafter") == "mixed":
+        own += ", and the knobs of the methods it drafts with (their conf/method files)"
     anyone = sorted({k for keys in method_schemas().values() for k in keys})
     out = []
     for key in unknown:
         near = difflib.get_close_matches(key, anyone, n=1)
         out.append(f"method.{key} is not a knob of method {name} (nor of any method in conf/method"
-                   f"{f'; did you mean {near[0]}?' if near else ''}); valid for {name}: {', '.join(own)} "
+                   f"{f'; did you mean {near[0]}?' if near else ''}); valid for {name}: {own} "
                    f"(conf/method/{name}.yaml)")
     return out
 

@@ -109,6 +109,11 @@ def test_a_methods_yaml_is_its_schema_read_from_the_files(tmp_path, monkeypatch)
         validate(_cfg("method=ngram", "++method.min_ngramm=2"))
     validate(_cfg("method=ngram", "++method.draft_layers=1"))  # draft_model's knob: not an error for ngram
     assert m.split_method_keys({"name": "ngram", "draft_layers": 1, "alpha": 2}) == (["draft_layers"], ["alpha"])
+    # a mixed drafter drafts with other methods' drafters: their knobs are its own
+    assert m.split_method_keys({"name": "combined", "drafter": "mixed", "skip_layers": [1], "alpha": 2}) == ([], ["alpha"])
+    with pytest.raises(ConfigError, match=r"method.max_ngramm is not a knob of method adaptive .*valid for adaptive: "
+                                          r"name, .*policy.*, and the knobs of the methods it drafts with"):
+        validate(_cfg("method=adaptive", "++method.max_ngramm=2"))
     # a method added as a file is known by its file alone
     shutil.copy(m.METHOD_DIR / "ngram.yaml", tmp_path / "ngram.yaml")
     (tmp_path / "toy.yaml").write_text("name: toy\nspeculative: true\ndrafter: lookup\nalpha: 0.5\n")
