@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds,
-                           reject_unknown)
+from bench.backend import (Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, SettingError, SpecCounters,
+                           check_positive_seconds, reject_unknown)
 
 from bench.methods import specsweep_overrides
 
@@ -118,6 +118,7 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     supported_methods = METHODS
     ttft_source = "client"  # stamped by the loop in the worker, since the batch was submitted
+    load_kinds = ("concurrency", "rate")  # the native engine's scheduler, run in the worker (not prompt_lookup_lib)
 
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str]:
@@ -214,8 +215,21 @@ class LlamaCppBackend(Backend):
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         if len(prompts) > self.cfg.max_rows:
             raise ValueError(f"batch of {len(prompts)} exceeds backend.max_rows={self.cfg.max_rows}")
+        return self._run(prompts, sampling, max_new_tokens, speculative, None)
+
+    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
+        if self.method["name"] == "prompt_lookup_lib":
+            raise SettingError("method prompt_lookup_lib runs llama-cpp-python's own generate(), one request at a "
+                               "time: it serves no load; use load=static, or method=ngram for the same lookup in "
+                               "specsweep's loop")
+        if plan.max_rows > self.cfg.max_rows:
+            raise SettingError(f"load level {plan.max_rows} needs {plan.max_rows} rows at once; backend.max_rows="
+                               f"{self.cfg.max_rows}: raise it (backend.max_rows={plan.max_rows})")
+        return self._run(prompts, sampling, max_new_tokens, speculative, asdict(plan))
+
+    def _run(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: dict | None) -> BatchOutput:
         got = self._call({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": vars(sampling),
-                          "max_new_tokens": max_new_tokens, "speculative": speculative},
+                          "max_new_tokens": max_new_tokens, "speculative": speculative, "plan": plan},
                          self.cfg.request_timeout_s)["batch"]
         counters = got.pop("spec_counters")
         return BatchOutput([RequestOutput(**r) for r in got.pop("requests")], **got,

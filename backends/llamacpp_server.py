@@ -17,6 +17,8 @@ time split, so those columns say unavailable. The server log is kept in the job 
 | ngram_mod       | --spec-type ngram-mod (n-min, n-max, n-match); learns across requests       |
 | ngram_cache     | --spec-type ngram-cache; learns across requests                             |
 | draft_model     | --spec-type draft-simple -md method.draft_path                              |
+| synthetic       | --spec-type ngram-simple (size-n 1, size-m = k) + --spec-synth-rates u1,..,uk: |
+|                 | acceptance forced on the n-gram's drafts (it drafts only where it matches)  |
 Every speculative method also gets --spec-draft-n-max k.
 
 Weight repacking (`backend.repack=auto|on|off`): llama-server re-lays quantized weights for faster
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from bench.backend import (Backend, BackendError, BatchOutput, EngineTimeout, LoadPlan, Sampling, check_positive_seconds,
                            reject_unknown)
+from bench.methods import synthetic_rates
 
 from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
@@ -43,7 +46,8 @@ from .processes import Pool, ServerProcess, die_with_parent, free_port, stop
 from .serving import LLAMA_SERVER_COUNTERS, counter_delta, detokenize, read_counters, serve_load, spec_counters, tokenize
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
-METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model")
+METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model",
+           "synthetic")
 
 
 def spec_flags(method: dict, k: int) -> list[str]:
@@ -61,7 +65,7 @@ def spec_flags(method: dict, k: int) -> list[str]:
                 f"--spec-{t}-min-hits", str(method.get("min_hits", 1))] + n_max
     if name == "ngram_mod":
         return ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", str(method.get("n_min", 1)),
-                "--spec-ngram-mod-n-max", str(method.get("n_max", k)), "--spec-ngram-mod-n-match",
+                "--spec-ngram-mod-n-max", str(method.get("n_max") or k), "--spec-ngram-mod-n-match",
                 str(method.get("n_match", 24))] + n_max
     if name == "ngram_cache":
         return ["--spec-type", "ngram-cache"] + n_max
@@ -69,6 +73,10 @@ def spec_flags(method: dict, k: int) -> list[str]:
         if not method.get("draft_path"):
             raise ValueError("method draft_model on backend llamacpp_server needs method.draft_path=FILE.gguf")
         return ["--spec-type", "draft-simple", "-md", resolve_gguf(method["draft_path"])] + n_max
+    if name == "synthetic":  # llama.cpp's own synthetic mode needs a drafter: the cheapest, matching on one token
+        rates = ",".join(f"{u:.6g}" for u in synthetic_rates(method, k))
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", str(k),
+                "--spec-synth-rates", rates] + n_max
     raise ValueError(f"method {name!r} is not supported by backend llamacpp_server; it supports {', '.join(METHODS)}")
 
 

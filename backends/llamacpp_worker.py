@@ -6,23 +6,27 @@ or the test run down with it. So the engine lives here, behind the JSON-lines wo
 (backends/worker_loop.py); the adapter turns this process's death into a BackendError that names
 the signal, and the job is recorded with status=error.
 
-The draft/verify loop is specsweep's own, on llama.cpp's low-level API: one llama_decode per
-cycle over every active row's pending token and drafts (each request its own sequence id, logits
-for every verified position), llama_synchronize at each timing boundary, and llama_memory_seq_rm
-to drop the KV of rejected drafts. So every cycle has exact t_draft / t_verify and counts, as in the
-native engine. Methods: autoregressive, ngram (the same prompt lookup as the native engine), and
-draft_model (a second GGUF sharing the vocabulary, with its own context kept in sync). The
+The draft/verify loop is the native engine's own (backends/native/engine.py: cycle, and its
+continuous-batching scheduler under load) over llama.cpp's low-level API: LlamaCppTarget is its
+Target (one llama_decode per cycle over every active row's pending token and drafts, each request
+its own sequence id, logits for every verified position read in place, llama_synchronize before
+the timing boundary, llama_memory_seq_rm as the rollback that drops rejected drafts' KV). So every
+cycle has exact t_draft / t_verify and counts, as in the native engine. Methods: autoregressive,
+ngram (the native engine's NgramDrafter), and draft_model (a second GGUF sharing the vocabulary,
+in a context of its own kept in sync: LlamaCppDraftModel). The
 library's own prompt-lookup path is measured in `prompt_lookup_lib` mode, as a user calls it
 (Llama(draft_model=LlamaPromptLookupDecoding(...))); the library counts nothing, so acceptance is
 recovered by wrapping the drafter and replaying its proposals against the final output.
 
 Requests: {"op": "init", "llm": {...}} (see Engine), {"op": "generate", "prompts", "sampling",
-"max_new_tokens", "speculative"}, {"op": "tokenize", "text"}, {"op": "detokenize", "ids"},
+"max_new_tokens", "speculative"[, "plan"]} (a plan: a LoadPlan's fields, served by the scheduler),
+{"op": "tokenize", "text"}, {"op": "detokenize", "ids"},
 {"op": "close"}. `python -m backends.llamacpp_worker --probe GGUF --threads N` is the repack probe.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 import time
 from dataclasses import asdict
@@ -30,10 +34,13 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from bench.backend import BatchOutput, RequestOutput, Sampling
-from bench.ngram import ngram_lookup
+from bench.backend import BatchOutput, LoadPlan, RequestOutput, Sampling
 
 from .llamacpp import weight_buffers
+from .native.drafters import Drafter, NgramDrafter, Proposal
+from .native.engine import generate as run_static
+from .native.sampling import SamplingParams, select
+from .native.scheduler import serve as run_load
 from .worker_loop import serve
 
 def top2_margin(logits: np.ndarray) -> tuple[int, float]:
@@ -112,7 +119,7 @@ class _Context:
         self.vocab = self.llm.n_vocab()
         self.batch = LlamaBatch(n_tokens=512, embd=0, n_seq_max=n_seq)
 
-    def decode(self, rows) -> list[np.ndarray]:
+    def _decode(self, rows) -> list:
         b = self.batch.batch
         self.batch.reset()
         j, idx = 0, []
@@ -126,8 +133,23 @@ class _Context:
         b.n_tokens = j
         self.ctx.decode(self.batch)
         self.lc.llama_synchronize(self.ctx.ctx)
-        # Views into llama.cpp's logits buffer, valid until the next decode: the loop reads them first.
-        return [np.ctypeslib.as_array(self.ctx.get_logits_ith(i), shape=(self.vocab,)) for i in idx]
+        return [self.ctx.get_logits_ith(i) for i in idx]  # pointers into llama.cpp's logits buffer
+
+    def decode(self, rows) -> list[np.ndarray]:
+        """rows: (sequence, tokens, first position, logits wanted per token). Views into llama.cpp's
+        logits buffer, valid until the next decode: the loop reads them first."""
+        return [np.ctypeslib.as_array(p, shape=(self.vocab,)) for p in self._decode(rows)]
+
+    def decode_logits(self, rows) -> torch.Tensor:
+        """decode, the wanted logits as one [n, vocab] tensor: a view of llama.cpp's buffer where
+        its output rows lie one after another (as llama.cpp keeps them, in batch order), else a copy."""
+        ptrs = self._decode(rows)
+        if not ptrs:
+            return torch.empty(0, self.vocab)
+        addr = [ctypes.cast(p, ctypes.c_void_p).value for p in ptrs]
+        if all(a == addr[0] + i * self.vocab * 4 for i, a in enumerate(addr)):
+            return torch.from_numpy(np.ctypeslib.as_array(ptrs[0], shape=(len(ptrs), self.vocab)))
+        return torch.from_numpy(np.stack([np.ctypeslib.as_array(p, shape=(self.vocab,)) for p in ptrs]))
 
     def drop_from(self, seq: int, pos: int):
         self.lc.llama_memory_seq_rm(self.mem, seq, pos, -1)
@@ -138,6 +160,67 @@ class _Context:
     def close(self):
         self.ctx.close()
         self.llm.close()
+
+
+class LlamaCppTarget:
+    """engine.Target over a llama.cpp context: slots are sequence ids; a forward decodes every
+    token of its rows (padding too: rollback drops it) and returns the wanted logits in place."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, ctx: _Context, n_seq: int, n_ctx: int):
+        self.ctx, self.max_batch, self.max_len = ctx, n_seq, n_ctx
+
+    def setup_cache(self, max_batch: int, max_len: int) -> None:
+        raise ValueError(f"{max_batch} rows of up to {max_len} positions do not fit this llama.cpp context "
+                         f"({self.max_batch} sequences, {self.max_len} positions); raise backend.max_rows / backend.n_ctx")
+
+    def __call__(self, tokens, pos, rows=None, logits_for=None, capture=None):
+        want = logits_for.tolist()
+        return self.ctx.decode_logits([(s, t, p[0], w) for s, t, p, w in zip(rows.tolist(), tokens.tolist(), pos.tolist(),
+                                                                              want)])
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.ctx.drop_from(slot, length)
+
+
+class LlamaCppDraftModel(Drafter):
+    """A draft GGUF in a context of its own, kept in sync with what was accepted: per row,
+    draft_len counts the tokens whose KV its context holds correctly; a cycle feeds the missing
+    tail, then drafts k tokens one decode at a time; after verification the KV past the accepted
+    prefix is dropped."""
+
+    def __init__(self, ctx: _Context, k: int, label: str):
+        self.ctx, self.k, self.label = ctx, k, label
+        self.draft_len: dict[int, int] = {}
+
+    def prefill(self, row, prompt, features=None):
+        self.ctx.drop_from(row, 0)
+        self.ctx.decode([(row, list(prompt), 0, [False] * (len(prompt) - 1) + [True])])
+        self.draft_len[row] = len(prompt)
+
+    def propose(self, rows, seqs, sp, gen) -> Proposal:
+        feeds = [(r, s[self.draft_len[r]:], self.draft_len[r]) for r, s in zip(rows, seqs)]
+        drafts, probs = [[] for _ in rows], [[] for _ in rows]
+        for step in range(self.k):
+            logits = self.ctx.decode([(r, toks, pos, [False] * (len(toks) - 1) + [True]) for r, toks, pos in feeds])
+            nxt, p = select(torch.from_numpy(np.stack(logits)), sp, gen)  # np.stack copies out of the buffer
+            for i in range(len(rows)):
+                drafts[i].append(int(nxt[i]))
+                if p is not None:
+                    probs[i].append(p[i])
+            feeds = [(r, [drafts[i][-1]], len(seqs[i]) + step) for i, r in enumerate(rows)]
+        for r, s in zip(rows, seqs):
+            self.draft_len[r] = len(s) + self.k - 1  # d_1..d_{k-1} were fed
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def accepted(self, rows, old_lens, n_accepted, features=None):
+        for r, n, a in zip(rows, old_lens, n_accepted):
+            self.draft_len[r] = min(self.draft_len[r], n + a)
+            self.ctx.drop_from(r, self.draft_len[r])
+
+    def release(self, row):
+        self.draft_len.pop(row, None)
 
 
 class Engine:
@@ -154,128 +237,44 @@ class Engine:
             if self.draft.vocab != self.target.vocab:
                 raise ValueError(f"draft model {self.method.get('draft_path')!r} has a vocabulary of {self.draft.vocab}, "
                                  f"the target {self.target.vocab}; a draft model must share the target's vocabulary")
-        self.eos = {self.target.llm.token_eos()}
+        self.eos = (self.target.llm.token_eos(),)
+        self.target_model = LlamaCppTarget(self.target, cfg["max_rows"], cfg["n_ctx"])
+        m = self.method
+        self.drafter = {"ngram": lambda: NgramDrafter(self.k, m.get("min_ngram", 1), m.get("max_ngram", 3),
+                                                      m.get("prefer_recent", True), m.get("min_hits", 1)),
+                        "draft_model": lambda: LlamaCppDraftModel(self.draft, self.k, f"draft model {m.get('draft_path')}"),
+                        }.get(m["name"], lambda: None)()
 
-    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
+                 plan: LoadPlan | None = None) -> BatchOutput:
         if self.method["name"] == "prompt_lookup_lib":
+            if plan is not None:
+                raise ValueError("method prompt_lookup_lib runs the library's own generate(), one request at a time: "
+                                 "it serves no load; use load=static")
             # The library's own path, with and without its drafter: the same engine either way.
             return self._generate_library(prompts, sampling, max_new_tokens, speculative)
-        return self._generate_loop(prompts, sampling, max_new_tokens, speculative)
+        return self._generate_loop(prompts, sampling, max_new_tokens, speculative, plan)
 
     # ------------------------------------------------------------------ the draft/verify loop
 
-    def _propose(self, rows, seqs, draft_len, sp, gen):
-        name = self.method["name"]
-        if name == "ngram":
-            m = self.method
-            return [ngram_lookup(s, self.k, m.get("min_ngram", 1), m.get("max_ngram", 3), m.get("prefer_recent", True),
-                                 m.get("min_hits", 1)) for s in seqs], [None] * len(rows)
-        # draft model: feed each row's missing tail, then draft k tokens one decode at a time
-        from backends.native.sampling import select
-
-        feeds = [(r, s[draft_len[r]:], draft_len[r]) for r, s in zip(rows, seqs)]
-        drafts = [[] for _ in rows]
-        probs = [[] for _ in rows]
-        for step in range(self.k):
-            logits = self.draft.decode([(r, toks, pos, [False] * (len(toks) - 1) + [True]) for r, toks, pos in feeds])
-            nxt, p = select(torch.from_numpy(np.stack(logits)), sp, gen)  # np.stack copies out of the buffer
-            for i, r in enumerate(rows):
-                drafts[i].append(int(nxt[i]))
-                if p is not None:
-                    probs[i].append(p[i])
-            feeds = [(r, [drafts[i][-1]], len(seqs[i]) + step) for i, r in enumerate(rows)]
-        for r, s in zip(rows, seqs):
-            draft_len[r] = len(s) + self.k - 1
-        return drafts, [torch.stack(p) if p else None for p in probs]
-
-    def _generate_loop(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
-        from backends.native.sampling import SamplingParams, select, verify
-
+    def _generate_loop(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
+                       plan: LoadPlan | None) -> BatchOutput:
+        """The native engine's loop (a static batch, or the scheduler under a load plan) over this
+        context; speculative=False is the same loop with no drafter, the baseline, whose greedy
+        runs record the top-2 margins the lossless check reads."""
         sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
         gen = torch.Generator().manual_seed(sampling.seed)
-        spec = speculative and self.method["name"] != "autoregressive"
-        T, D = self.target, self.draft if speculative else None
-        T.clear()
-        if D is not None:
-            D.clear()
-        B = len(prompts)
-        seqs = [list(p) for p in prompts]
-        outs = [[] for _ in prompts]
-        margins = [[] for _ in prompts]
-        emit = [[] for _ in prompts]
-        ttft = [0.0] * B
-        finished = ["length"] * B
-        draft_len = {}
-        cycles = []
-        t_start = time.perf_counter()
-        for b, p in enumerate(prompts):
-            lg = T.decode([(b, p, 0, [False] * (len(p) - 1) + [True])])[0]
-            if D is not None:
-                D.decode([(b, p, 0, [False] * (len(p) - 1) + [True])])
-                draft_len[b] = len(p)
-            if sp.greedy and not spec:
-                tok, margin = top2_margin(lg)
-                margins[b].append(margin)
-            elif sp.greedy:
-                tok = int(lg.argmax())
-            else:
-                tok = int(select(torch.from_numpy(lg[None].copy()), sp, gen)[0][0])
-            seqs[b].append(tok)
-            outs[b].append(tok)
-            ttft[b] = time.perf_counter() - t_start
-            emit[b].append(ttft[b])
-            if tok in self.eos:
-                finished[b] = "eos"
-        active = [b for b in range(B) if finished[b] != "eos" and len(outs[b]) < max_new_tokens]
-        cycle = 0
-        while active:
-            t0 = time.perf_counter()
-            if spec:
-                drafts, qs = self._propose(active, [seqs[b] for b in active], draft_len, sp, gen)
-            else:
-                drafts, qs = [[] for _ in active], [None] * len(active)
-            t1 = time.perf_counter()
-            logits = T.decode([(b, [seqs[b][-1]] + d, len(seqs[b]) - 1, [True] * (len(d) + 1)) for b, d in zip(active, drafts)])
-            t2 = time.perf_counter()
-            still, pos = [], 0
-            counts = []
-            for b, d, q in zip(active, drafts, qs):
-                rows_lg = logits[pos : pos + len(d) + 1]
-                pos += len(d) + 1
-                if sp.greedy:  # the longest prefix matching the target's argmax, then the target's token
-                    a = 0
-                    while a < len(d) and int(rows_lg[a].argmax()) == d[a]:
-                        a += 1
-                    # the baseline records the top-2 margin for the lossless check; a spec run needs only the argmax
-                    nxt, margin = top2_margin(rows_lg[a]) if not spec else (int(rows_lg[a].argmax()), None)
-                else:
-                    a, nxt = verify(d, q, torch.from_numpy(np.stack(rows_lg)), sp, gen)
-                n = len(seqs[b])
-                T.drop_from(b, n + a)  # the KV of rejected drafts
-                if D is not None:
-                    draft_len[b] = min(draft_len[b], n + a)
-                    D.drop_from(b, draft_len[b])
-                new = (d[:a] + [nxt])[: max_new_tokens - len(outs[b])]
-                for i, t in enumerate(new):
-                    if t in self.eos:
-                        new, finished[b] = new[: i + 1], "eos"
-                        break
-                if not spec and sp.greedy:
-                    margins[b].append(margin)
-                seqs[b] += new
-                outs[b] += new
-                counts.append((b, len(d), a, len(new), n - 1))
-                if finished[b] != "eos" and len(outs[b]) < max_new_tokens:
-                    still.append(b)
-            t3 = time.perf_counter()
-            for b, kd, a, ne, kv in counts:
-                emit[b].append(t3 - t_start)
-                cycles.append(dict(cycle=cycle, row=b, drafted=kd, accepted=a, emitted=ne, kv_len=kv, batch_rows=len(active),
-                                   t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2))
-            active = still
-            cycle += 1
-        wall = time.perf_counter() - t_start
-        reqs = [RequestOutput(outs[b], ttft[b], emit[b][-1], emit[b], margins[b] or None, finished[b]) for b in range(B)]
+        drafter = self.drafter if speculative else None
+        self.target.clear()
+        if self.draft is not None:
+            self.draft.clear()
+        kw = dict(drafter=drafter, eos_ids=self.eos, gen=gen, record_margins=drafter is None and sp.greedy)
+        if plan is None:
+            rows, cycles, wall = run_static(self.target_model, prompts, max_new_tokens, sp, **kw)
+        else:
+            rows, cycles, wall = run_load(self.target_model, prompts, max_new_tokens, sp, plan, **kw)
+        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by,
+                              submitted_s=r.submitted_s) for r in rows]
         return BatchOutput(reqs, wall, cycles)
 
     # ------------------------------------------------------------------ the library's own prompt lookup
@@ -390,8 +389,9 @@ def main() -> int:
                 "weight_buffers": weight_buffers(LOG_LINES)}
 
     def generate(req):
+        plan = LoadPlan(**req["plan"]) if req.get("plan") else None
         out = state["engine"].generate(req["prompts"], Sampling(**req["sampling"]), req["max_new_tokens"],
-                                       req["speculative"])
+                                       req["speculative"], plan)
         return {"batch": asdict(out)}
 
     def close(req):

@@ -40,16 +40,19 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0):
             proc.wait()
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 30.0):
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0, pgid: int | None = None):
     """For a child started with start_new_session=True that starts children of its own (vLLM's
     server and its engine core): SIGTERM to the whole process group, SIGKILL to whatever of it is
-    left after grace_s, so nothing outlives the server."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    if pgid != proc.pid:  # not a group of its own: never signal the caller's group
-        return stop(proc, grace_s)
+    left after grace_s, so nothing outlives the server. pgid: the group, where the caller knows it
+    (the child's pid, recorded when it started): its members are stopped even after the leader
+    has exited."""
+    if pgid is None:
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            return
+        if pgid != proc.pid:  # not a group of its own: never signal the caller's group
+            return stop(proc, grace_s)
 
     def alive() -> bool:
         try:
@@ -58,7 +61,11 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30.0):
         except ProcessLookupError:
             return False
 
-    os.killpg(pgid, signal.SIGTERM)
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.poll()
+        return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         proc.poll()  # reap the leader, so the group can empty
@@ -228,10 +235,17 @@ class ServerProcess(EngineProcess):
 
 
 class Worker(EngineProcess):
-    """One engine in offline mode (vllm.LLM, sglang.Engine) in its own process: `python -m module`
-    with the engine's interpreter, speaking JSON lines (requests on stdin, answers on the file
-    descriptor SPECSWEEP_ANSWER_FD; the engine's own output goes to the log). The first request
-    is {"op": "init", "llm": init_args}; a refusal there is the engine refusing its configuration."""
+    """One engine in offline mode (vllm.LLM, sglang.Engine, llama.cpp) in its own process: `python
+    -m module` with the engine's interpreter, speaking JSON lines (requests on stdin, answers on
+    the file descriptor SPECSWEEP_ANSWER_FD; the engine's own output goes to the log). The first
+    request is {"op": "init", "llm": init_args}; a refusal there is the engine refusing its
+    configuration.
+
+    The worker leads a process group of its own, which holds the processes its engine starts
+    (vLLM's EngineCore and its workers, SGLang's schedulers): stopping the worker stops the
+    group, and when the sweep process dies, even by SIGKILL, the kernel sends the worker SIGTERM
+    (PR_SET_PDEATHSIG) and the worker ends its group (backends/worker_loop.py), so no engine
+    process outlives the sweep holding its memory."""
 
     def __init__(self, python: str, module: str, init_args: dict, log: Path, timeout_s: float, engine: str,
                  extra_env=None):
@@ -241,7 +255,9 @@ class Worker(EngineProcess):
         env["SPECSWEEP_ANSWER_FD"] = str(w)
         self.proc = subprocess.Popen([python, "-m", module], stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=(w,), env=env, text=True,
-                                     preexec_fn=die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.pgid = self.proc.pid  # a session of its own: its group's id is its pid
+        self.busy = False  # a request sent and not answered (then stop() does not wait for it)
         os.close(w)
         self._answers = os.fdopen(r, "r")
         self.timeout_s = timeout_s
@@ -252,6 +268,7 @@ class Worker(EngineProcess):
         if self.proc.poll() is not None:
             raise BackendError(f"the {self.engine} worker {describe_exit(self.proc.returncode)} before "
                                f"{req['op']!r} (log: {self.log_path}); its log ends with:\n{self.log_tail()}")
+        self.busy = True
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         box = {}
@@ -259,6 +276,7 @@ class Worker(EngineProcess):
         t.start()
         t.join(timeout_s or self.timeout_s)
         line = box.get("line")
+        self.busy = not line  # an answer, or none: then the worker is stopped below
         if not line:
             try:  # an exit closes the answer pipe at once; give the process a moment to be reaped
                 self.proc.wait(timeout=5)
@@ -279,13 +297,17 @@ class Worker(EngineProcess):
         return got
 
     def stop(self):
-        if self.proc.poll() is None:
+        """Politely (a "close" request, which shuts the engine down) when the worker is idle; then,
+        or at once when a request was cut short (a timeout, Ctrl-C), SIGTERM to its whole group
+        and SIGKILL to whatever of it is left after 10 s."""
+        if self.proc.poll() is None and not self.busy:
             try:
                 self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
                 self.proc.stdin.flush()
                 self.proc.wait(timeout=20)
             except (OSError, subprocess.TimeoutExpired, ValueError):
-                stop(self.proc)
+                pass
+        stop_group(self.proc, grace_s=10.0, pgid=self.pgid)  # the engine's own processes too
         self._log.close()
 
 

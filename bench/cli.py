@@ -101,9 +101,20 @@ class SweepSummary(Callback):
         errors = df[df.status.isin(["error", "timeout"])]
         for _, r in errors.iterrows():
             log.error("job %s: %s", r.job, r.error)
+        report_failed = False
         if config.report:
-            out = write_report(sweep_dir)
-            print(f"results: {sweep_dir}\nreport:  {out / 'summary.md'} (plots in {out})")
+            # Hydra turns an exception in a callback into a warning (exit 0): caught here, so that a
+            # report that could not be written is an exit status, while the results stay as written
+            try:
+                out = write_report(sweep_dir)
+                print(f"results: {sweep_dir}\nreport:  {out / 'summary.md'} (plots in {out})")
+            except Exception as e:
+                log.exception("the report could not be written")
+                print(f"specsweep: every job's results are in {sweep_dir}, but the report failed: {type(e).__name__}: "
+                      f"{e}; rerun it with `specsweep-report {sweep_dir}`", file=sys.stderr)
+                report_failed = True
+        if report_failed and not len(errors):
+            raise SystemExit(1)
         if len(errors):  # exit status 1: some jobs failed (their rows, the table and the report are written)
             print(f"specsweep: {len(errors)} of {len(df)} jobs failed (status=error or timeout)", file=sys.stderr)
             raise SystemExit(1)

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from .load import check as load_check
-from .methods import DRAFTER_KINDS
+from .methods import DRAFTER_KINDS, method_key_problems, synthetic_rates
 
 
 @dataclass
@@ -22,8 +22,9 @@ class MethodConfig:
     name: str = MISSING
     speculative: bool = True
     drafter: str = MISSING  # what drafts: none, lookup, model, head, layers or mixed (bench/methods.py)
-    # Method-specific knobs (min_ngram, draft_layers, skip_layers, ...) are free-form; the
-    # backend validates the ones it uses.
+    # Method-specific knobs (min_ngram, draft_layers, skip_layers, ...): those of the method's
+    # conf/method/<name>.yaml, its schema (bench/methods.py: split_method_keys); the backend
+    # validates their values.
 
 
 @dataclass
@@ -89,6 +90,12 @@ def validate(cfg) -> None:
     if cfg.method.get("drafter") not in DRAFTER_KINDS:
         problems.append(f"method.drafter={cfg.method.get('drafter')!r} (method {cfg.method.get('name')}): declare what "
                         f"drafts, one of {', '.join(DRAFTER_KINDS)} (bench/methods.py)")
+    elif cfg.method.drafter == "synthetic" and cfg.num_speculative_tokens >= 1:
+        try:
+            synthetic_rates(OmegaConf.to_container(cfg.method, resolve=True), cfg.num_speculative_tokens)
+        except ValueError as e:
+            problems.append(str(e))
+    problems += method_key_problems(cfg.method)
     if cfg.num_speculative_tokens < 0:
         problems.append(f"num_speculative_tokens={cfg.num_speculative_tokens}: use 0 or more")
     for key in ("max_new_tokens", "num_prompts", "repeats"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .methods import is_lookup
+from .methods import drafts_without_model
 
 
 @dataclass
@@ -80,7 +80,7 @@ class CostModel:
         a neural drafter's; bench/methods.py)."""
         if method in self.drafters:
             return self.drafters[method]
-        fallback = self.default_ngram if is_lookup(method) else self.default_neural
+        fallback = self.default_ngram if drafts_without_model(method) else self.default_neural
         if fallback is None:
             raise ValueError(f"cost model {self.name!r} has no draft cost for method {method!r}; it has "
                              f"{', '.join(self.drafters) or 'none'}")

@@ -7,7 +7,8 @@ From every job's cycles.parquet (a batched cycle counted once):
 - each neural drafter: t_draft ~ c_kv * kv_tokens + c_tokens * (k + 1) + c_fixed (linear);
 - n-gram: t_draft as a fraction of t_verify (median), as the published model has it;
 - overhead per step: the median of t_other.
-Jobs whose cycles mix drafters (method=combined) enter the target fit only.
+Jobs whose cycles name their drafter (draft_source: combined, adaptive) fit each named method's
+drafter from the cycles it drafted alone; cycles of mixed rows enter the target fit only.
 The fit's error (relative RMS and R^2) is printed and written beside the coefficients.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pandas as pd
 import yaml
 from omegaconf import OmegaConf
 
-from .methods import drafter_kind
+from .methods import drafter_kind, known_methods
 from .metrics import batched_cycles
 from .results import find_sweep_dirs, load_summaries
 
@@ -42,9 +43,21 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
         g["drafter"] = np.where(g.run == "baseline", "none", drafter_kind(OmegaConf.load(job_cfg).method if
                                                                           job_cfg.exists() else s.method))
         g["job"] = s.job
-        # A combined method's cycles mix drafters (draft_source per cycle): its verify passes count
-        # for the target fit, but its drafting time fits no single drafter.
-        g["mixed_drafters"] = "draft_source" in c.columns
+        # A method whose cycles name their drafter (draft_source: combined, adaptive): a batched
+        # cycle drafted by one method only fits that method's drafter (a plain step, "off", fits
+        # the target alone); one whose rows mixed drafters, or named no method of conf/method
+        # (combined's "neural"), counts for the target fit only.
+        g["mixed_drafters"] = False
+        if "draft_source" in c.columns:
+            keys = [k for k in ("run", "repeat", "batch", "cycle") if k in c.columns]
+            one = c.groupby(keys).draft_source.agg(lambda x: x.iloc[0] if x.nunique(dropna=False) == 1 else None)
+            g = g.merge(one.rename("source").reset_index(), on=keys, how="left")
+            known = {**known_methods(), "off": "none"}
+            named = g.source.isin(list(known)) & (g.run != "baseline")
+            g.loc[named, "method"] = g.loc[named, "source"].replace({"off": "autoregressive"})
+            g.loc[named, "drafter"] = g.loc[named, "source"].map(known)
+            g["mixed_drafters"] = ~named & (g.run != "baseline")
+            g = g.drop(columns="source")
         frames.append(g)
     if not frames:
         raise ValueError(f"{sweep_dir}: no cycles.parquet in completed jobs")
@@ -68,7 +81,7 @@ def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
     mixed = cycles.mixed_drafters if "mixed_drafters" in cycles else False
     for m, g in cycles[(cycles.method != "autoregressive") & (cycles.kmax > 0) & ~mixed].groupby("method"):
         kind = g.drafter.iloc[0] if "drafter" in g else drafter_kind(m)
-        if kind == "lookup":  # no model forward: its drafting time is a share of the verify's
+        if kind in ("lookup", "synthetic"):  # no model forward: its drafting time is a share of the verify's
             model["drafters"][m] = {"kind": "relative", "fraction": float((g.t_draft / g.t_verify).median())}
             model["fit"][m] = {"cycles": len(g), "t_draft_median_s": float(g.t_draft.median())}
             continue

@@ -9,25 +9,84 @@ here, so that no part of the harness decides by a method's name.
 | head    | a head on the target's features (EAGLE, MTP)       | a small forward per token    |
 | layers  | the target with layers skipped (self-speculation)  | a partial target forward     |
 | mixed   | several of the above, chosen per cycle (combined)  | that of the one chosen       |
+| synthetic | nothing real: acceptance forced per position     | none (host work)             |
+
+A synthetic method measures an engine's cost surface (k x batch x acceptance) apart from any
+drafter's quality: the engine drafts placeholder tokens and its verifier accepts as many as a
+draw from the requested per-position rates says (`synthetic_rates`), as vLLM's
+`rejection_sample_method: synthetic` and llama-server's `--spec-synth-rates` do. Its output is
+then not the target's, so losslessness is not checked (`forces_acceptance`).
 """
 from __future__ import annotations
 
+import difflib
 from functools import lru_cache
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-DRAFTER_KINDS = ("none", "lookup", "model", "head", "layers", "mixed")
+DRAFTER_KINDS = ("none", "lookup", "model", "head", "layers", "mixed", "synthetic")
 METHOD_DIR = Path(__file__).resolve().parent.parent / "conf" / "method"
 
 
 @lru_cache(maxsize=None)
-def known_methods() -> dict[str, str]:
-    """Method name -> its drafter kind, for every config in conf/method."""
+def _method_configs() -> dict[str, dict]:
+    """Method name -> its config as conf/method/<name>.yaml writes it, for every file there."""
     out = {}
     for f in sorted(METHOD_DIR.glob("*.yaml")):
-        cfg = OmegaConf.load(f)
-        out[str(cfg.name)] = str(cfg.get("drafter", ""))
+        cfg = OmegaConf.to_container(OmegaConf.load(f))
+        out[str(cfg["name"])] = cfg
+    return out
+
+
+def known_methods() -> dict[str, str]:
+    """Method name -> its drafter kind, for every config in conf/method."""
+    return {name: str(cfg.get("drafter", "")) for name, cfg in _method_configs().items()}
+
+
+def method_schemas() -> dict[str, list[str]]:
+    """Method name -> its knobs: each method's conf/method/<name>.yaml is its schema, its keys
+    (each written there with its default) the only keys a job of that method may set."""
+    return {name: list(cfg) for name, cfg in _method_configs().items()}
+
+
+def split_method_keys(method) -> tuple[list[str], list[str]]:
+    """A job's method keys outside its method's schema, as (ignored, unknown). ignored: a knob of
+    another method in conf/method (a sweep over several methods sets one method's knob for all
+    its jobs: `method=ngram,draft_model ++method.draft_layers=1`); the job's engine is not given
+    it and its row lists it (method_ignored_keys). unknown: a knob of no method, a typo or a
+    `+key=` Hydra suggested: a configuration error (method_key_problems). A mixed drafter
+    (combined, adaptive) drafts with other methods' drafters, which read their own knobs from
+    its config: every method's knob is one of its own. A method without a schema (a name not in
+    conf/method) has nothing to check against: ([], [])."""
+    schemas = method_schemas()
+    own = schemas.get(str(method.get("name")))
+    if own is None:
+        return [], []
+    anyone = {k for keys in schemas.values() for k in keys}
+    if method.get("drafter") == "mixed":
+        own = anyone
+    extra = [str(k) for k in method if k not in own]
+    return [k for k in extra if k in anyone], [k for k in extra if k not in anyone]
+
+
+def method_key_problems(method) -> list[str]:
+    """For each key of the method that no method in conf/method knows: what is wrong and the
+    method's valid keys."""
+    name = str(method.get("name"))
+    _, unknown = split_method_keys(method)
+    if not unknown:
+        return []
+    own = ", ".join(method_schemas()[name])
+    if method.get("drafter") == "mixed":
+        own += ", and the knobs of the methods it drafts with (their conf/method files)"
+    anyone = sorted({k for keys in method_schemas().values() for k in keys})
+    out = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, anyone, n=1)
+        out.append(f"method.{key} is not a knob of method {name} (nor of any method in conf/method"
+                   f"{f'; did you mean {near[0]}?' if near else ''}); valid for {name}: {own} "
+                   f"(conf/method/{name}.yaml)")
     return out
 
 
@@ -73,10 +132,57 @@ def is_lookup(method) -> bool:
 
 
 
+def drafts_without_model(method) -> bool:
+    """No model forward drafts (a lookup, or forced acceptance): drafting costs a share of the
+    verify, fitted and priced as such (costmodel's `relative` kind)."""
+    return drafter_kind(method) in ("lookup", "synthetic")
+
+
+def forces_acceptance(method) -> bool:
+    """The verifier's acceptance is forced (a synthetic method): the output is not the target's."""
+    return drafter_kind(method) == "synthetic"
+
+
+def synthetic_rates(method, k: int) -> list[float]:
+    """A synthetic method's forced acceptance for draft length k: per position j = 1..k the
+    unconditional probability that the first j draft tokens are all accepted (vLLM's
+    `synthetic_acceptance_rates`, llama-server's `--spec-synth-rates`). From
+    `method.acceptance_rates` (in [0, 1], non-increasing, at least k entries: the first k are
+    used) or, when that is null, `method.acceptance_rate` r: every position accepted with
+    probability r given the one before it, i.e. r, r^2, ..., r^k."""
+    rates, r = method.get("acceptance_rates"), method.get("acceptance_rate")
+    if rates is None:
+        if r is None or isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise ValueError(f"method.acceptance_rate={r!r} is not valid; use a number in [0, 1] (or give "
+                             "method.acceptance_rates=[u1,...,uk], the unconditional per-position rates)")
+        return [float(r) ** j for j in range(1, k + 1)]
+    try:
+        rates = [float(x) for x in rates]
+    except (TypeError, ValueError):
+        raise ValueError(f"method.acceptance_rates={rates!r} is not valid; use a list of numbers in [0, 1]") from None
+    if len(rates) < k:
+        raise ValueError(f"method.acceptance_rates has {len(rates)} entries but num_speculative_tokens={k}; give at "
+                         f"least {k} (one per draft position; extra ones are ignored)")
+    rates = rates[:k]
+    if not all(0 <= x <= 1 for x in rates) or any(b > a for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"method.acceptance_rates={rates} is not valid: position j's rate is the probability that "
+                         "the first j drafts are all accepted, so each must lie in [0, 1] and none exceed the one "
+                         "before it")
+    return rates
+
+
+def conditional_rates(rates: list[float]) -> list[float]:
+    """Unconditional per-position rates -> acceptance of position j given j - 1 accepted."""
+    prev, out = 1.0, []
+    for u in rates:
+        out.append(u / prev if prev > 0 else 0.0)
+        prev = u
+    return out
+
+
 def method_defaults(name: str) -> dict:
     """conf/method/<name>.yaml as a dict ({} for a method without one)."""
-    f = METHOD_DIR / f"{name}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(f)) if f.exists() else {}
+    return dict(_method_configs().get(name, {}))
 
 
 def _hydra_value(v) -> str:
@@ -92,11 +198,13 @@ def _hydra_value(v) -> str:
 def specsweep_overrides(backend: str, method: dict, k: int | None) -> list[str]:
     """specsweep's command-line overrides that run `method` at draft length k on `backend` (k None:
     speculation off, the baseline method): backend, method, num_speculative_tokens, and each
-    method.KEY whose value differs from conf/method/<name>.yaml's."""
+    method.KEY of its own (not another method's, which its engine ignores) whose value differs from
+    conf/method/<name>.yaml's."""
     if k is None:
         return [f"backend={backend}", "method=autoregressive"]
     name = method["name"]
     defaults = method_defaults(name)
+    ignored, _ = split_method_keys(method)
     knobs = [f"method.{key}={_hydra_value(v)}" for key, v in method.items()
-             if key not in ("name", "speculative", "drafter") and defaults.get(key) != v]
+             if key not in ("name", "speculative", "drafter", *ignored) and defaults.get(key) != v]
     return [f"backend={backend}", f"method={name}", f"num_speculative_tokens={k}"] + knobs

@@ -20,6 +20,7 @@ from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 from . import environment, load, metrics
 from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, instantiate_backend
 from .config import ConfigError, validate
+from .methods import forces_acceptance, split_method_keys
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
                       read_json, short_hash, write_manifest,
                       write_json, write_parquet, write_text)
@@ -62,21 +63,31 @@ def check_results_dir(sweep: Path, job: str) -> None:
                           "results_dir you can write to")
 
 
-def check_job(cfg: DictConfig) -> None:
+def engine_method(c: dict) -> tuple[dict, list[str]]:
+    """The method config the engine is given, without the keys that are knobs of other methods
+    only (set for a multi-method sweep; bench/methods.py: split_method_keys), and those keys."""
+    ignored, _ = split_method_keys(c["method"])
+    return {k: v for k, v in c["method"].items() if k not in ignored}, ignored
+
+
+def check_job(cfg: DictConfig) -> list[str]:
     """Everything about one job that can be checked without loading a model (bench/sweeper.py runs
     this for every job of a multirun before the first runs): a ValueError (or FileNotFoundError)
-    saying what is wrong and what is valid."""
+    saying what is wrong and what is valid. Returns the method keys the job ignores (knobs of
+    other methods)."""
     validate(cfg)
     c = load.normalize(OmegaConf.to_container(cfg, resolve=True))
     check_backend_supports(c)
     check_results_dir(Path(c["results_dir"]).expanduser() / c["sweep_name"], job_name(c))
     settings = {k: v for k, v in c["backend"].items() if k not in ("_target_", "name")}
-    get_class(c["backend"]["_target_"]).check_config(settings, c["model"], c["method"], c["num_speculative_tokens"])
+    method, ignored = engine_method(c)
+    get_class(c["backend"]["_target_"]).check_config(settings, c["model"], method, c["num_speculative_tokens"])
     try:
         load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"],
                      **{k: v for k, v in c["workload"].items() if k != "name"})
     except WorkloadUnavailable:
         pass  # recorded as skipped when it runs
+    return ignored
 
 
 class Measurement:
@@ -186,7 +197,11 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         log.warning("rerun %s: %s", jdir.name, incomplete_reason(jdir) or "its last run did not succeed")
     for stale in (MANIFEST, "traceback.txt"):  # no manifest until this run's files are all written
         (jdir / stale).unlink(missing_ok=True)
-    row = {**_key_row(c), "job": jdir.name, "status": "running", "error": None}
+    method, ignored = engine_method(c)
+    row = {**_key_row(c), "job": jdir.name, "status": "running", "error": None, "method_ignored_keys": ignored}
+    if ignored:
+        log.info("%s: method %s ignores %s (knobs of other methods; listed in the row's method_ignored_keys)",
+                 jdir.name, c["method"]["name"], ", ".join(f"method.{k}" for k in ignored))
     write_text(jdir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     env_start = environment.snapshot()
     t_job = time.time()
@@ -197,7 +212,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         wparams = {k: v for k, v in c["workload"].items() if k != "name"}
         prompts = load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], **wparams)
         environment.read_bandwidth_gbs(measurement_device(c))  # for the roofline; before the model takes memory
-        backend = instantiate_backend(c["backend"], c["model"], c["method"], c["num_speculative_tokens"])
+        backend = instantiate_backend(c["backend"], c["model"], method, c["num_speculative_tokens"])
         backend.set_artifact_dir(jdir)
         phase = "measure"
         row.update(_measure(backend, c, prompts, root, jdir, progress_factory))
@@ -393,11 +408,25 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                          pairs=_pairs(base_batches, spec_batches) if speculative else None))
     if plan is not None:
         out.update(load_summary(c, base, spec if speculative else base, base_req, spec_req if speculative else base_req,
-                                base_cyc, spec_cyc if speculative else base_cyc))
+                                base_cyc, spec_cyc if speculative else base_cyc, own_base_steps,
+                                spec_steps if speculative else own_base_steps))
     return out
 
 
-def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, base_cyc, spec_cyc) -> dict:
+def running_batch(cyc: pd.DataFrame, steps: pd.DataFrame | None) -> float:
+    """Rows a verify served, averaged over a run's verifies: from the per-cycle trace where the
+    engine has one, else from the engine's own timed decode steps (vLLM's timing plugin logs each
+    step's rows), else unknown."""
+    if len(cyc):
+        return float(metrics.batched_cycles(cyc).rows.mean())
+    if steps is not None and len(steps) and "rows" in steps.columns:
+        decode = steps[steps.decode.astype(bool)] if "decode" in steps.columns else steps
+        return float(decode.rows.mean()) if len(decode) else math.nan
+    return math.nan
+
+
+def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, base_cyc, spec_cyc, base_steps=None,
+                 spec_steps=None) -> dict:
     """A load point's serving metrics for both arms (docs/metrics.md, "Under load"): rates per run
     (medians over repeats), latency percentiles over every request, the mean running batch, and
     the SD-on-against-off ratios: tpot_speedup = baseline p50 TPOT / spec p50 TPOT, its range
@@ -405,7 +434,8 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
     slo = c.get("slo") or {}
     out = {}
     per_arm = {}
-    for arm, m, req, cyc in (("", spec, spec_req, spec_cyc), ("baseline_", base, base_req, base_cyc)):
+    for arm, m, req, cyc, steps in (("", spec, spec_req, spec_cyc, spec_steps),
+                                    ("baseline_", base, base_req, base_cyc, base_steps)):
         runs = [load.run_metrics(req[req.repeat == r], o.wall_s, slo.get("ttft_ms"), slo.get("tpot_ms"))
                 for r, _, _, o in m.runs]
         for key in ("request_throughput", "output_tokens_per_s", "goodput_rps", "slo_met_share"):
@@ -415,8 +445,7 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
         out.update(metrics.percentiles([x for l in req.itl_s for x in l], (50, 90, 99), prefix=f"{arm}itl_"))
         out[arm + "mean_in_flight"] = float(np.median([load.mean_in_flight(req[req.repeat == r], o.wall_s)
                                                        for r, _, _, o in m.runs])) if m.runs else math.nan
-        # rows a verify served, averaged over the run's verifies (from the trace, where there is one)
-        out[arm + "mean_running_batch"] = (float(metrics.batched_cycles(cyc).rows.mean()) if len(cyc) else math.nan)
+        out[arm + "mean_running_batch"] = running_batch(cyc, steps)
         per_arm[arm] = req
     s, b = per_arm[""], per_arm["baseline_"]
     ratios = [float(b[b.repeat == r].tpot_s.median() / s[s.repeat == r].tpot_s.median()) for r in sorted(set(s.repeat))]
@@ -500,7 +529,10 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
         s.update(metrics.time_fractions(cyc))
     else:
         s.update(tokens_per_forward=math.nan, verify_fraction=math.nan, draft_fraction=math.nan, other_fraction=math.nan)
-    if speculative:
+    s["acceptance_forced"] = bool(speculative and c.get("method") and forces_acceptance(c["method"]))
+    if s["acceptance_forced"]:  # the verifier kept a drawn count of placeholder tokens: not the target's output
+        s["lossless"] = "n/a"
+    elif speculative:
         s["lossless"], s["lossless_divergences"], s["lossless_near_ties"], s["lossless_detail"] = _lossless(c, base_req, spec_req)
     else:
         s["lossless"] = "n/a"

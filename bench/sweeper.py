@@ -1,10 +1,12 @@
 """Every job of a multirun composed and checked before the first one runs (called by the sweep
 callback in bench/cli.py as the multirun starts). Checked per job, without loading a model: the
-sweep values (bench.config.validate), that the backend runs the method, the backend's own
-settings and files (Backend.check_config), that the prompts load and the results folder can be
-written. Any failure lists every bad job with its overrides and what is valid, and nothing runs
-(exit status 2). The jobs are the ones Hydra's basic sweeper will launch, expanded the same way;
-launchers (joblib, submitit, Ray) are untouched.
+sweep values (bench.config.validate), the method's keys against its schema (its
+conf/method/<name>.yaml: a key no method knows is an error; a knob of another method, set for a
+multi-method sweep, is ignored by the job and listed in its row), that the backend runs the
+method, the backend's own settings and files (Backend.check_config), that the prompts load and
+the results folder can be written. Any failure lists every bad job with its overrides and what
+is valid, and nothing runs (exit status 2). The jobs are the ones Hydra's basic sweeper will
+launch, expanded the same way; launchers (joblib, submitit, Ray) are untouched.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def sweep_jobs(config) -> list[list[str]]:
 def check_sweep(config) -> None:
     from hydra.core.global_hydra import GlobalHydra
 
+    from .methods import method_schemas
     from .runner import check_job
 
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
@@ -38,6 +41,7 @@ def check_sweep(config) -> None:
     loader = GlobalHydra.instance().config_loader()
     jobs = sweep_jobs(config)
     problems = []
+    used, ignored = set(), {}  # method keys some job's engine reads; keys ignored -> the methods ignoring them
     from omegaconf import open_dict
 
     for job in jobs:
@@ -45,11 +49,19 @@ def check_sweep(config) -> None:
         with open_dict(cfg):
             del cfg["hydra"]  # the job's own config, as the launcher hands it to the job
         try:
-            check_job(cfg)
+            skipped = check_job(cfg)
         except (ValueError, FileNotFoundError) as e:  # ConfigError, WorkloadError and the adapters' own
             problems.append(f"  job {' '.join(job) or '(defaults)'}: {e}")
+            continue
+        used |= {str(k) for k in cfg.method if k not in skipped}
+        for k in skipped:
+            ignored.setdefault(k, set()).add(str(cfg.method.name))
     if problems:
         print(f"specsweep: {len(problems)} of {len(jobs)} jobs have bad input; nothing was run:\n" + "\n".join(problems),
               file=sys.stderr)
         raise SystemExit(2)
+    for k in sorted(set(ignored) - used):  # a knob no job of this sweep runs a method for
+        owners = [m for m, keys in method_schemas().items() if k in keys]
+        log.warning("method.%s is a knob of %s, which this sweep does not run: every job ignores it (%s); each row "
+                    "lists it in method_ignored_keys", k, ", ".join(owners), ", ".join(sorted(ignored[k])))
     log.info("checked %d jobs before running any", len(jobs))

@@ -22,10 +22,18 @@ def train_tokenizer(vocab_size: int = 512, max_files: int = 40):
 
 
 def build_tiny_llama(folder: str | Path, vocab_size: int = 512, hidden: int = 64, layers: int = 4, heads: int = 4,
-                     kv_heads: int = 2, seed: int = 0, arch: str = "llama", mtp: bool = False) -> Path:
+                     kv_heads: int = 2, seed: int = 0, arch: str = "llama", mtp: bool = False,
+                     intermediate: int | None = None, model_vocab: int | None = None, tie_embeddings: bool = False,
+                     rope_theta: float | None = None, init_std: float = 0.15, device: str = "cpu",
+                     dtype: str = "float32") -> Path:
     """A random-weight Llama (or Qwen2/Qwen3) in the Hugging Face layout: config.json,
     model.safetensors, tokenizer.json. mtp (qwen2 only) adds one random multi-token-prediction
-    layer in Xiaomi MiMo's layout and marks the config as MiMo. Returns the folder."""
+    layer in Xiaomi MiMo's layout and marks the config as MiMo. Returns the folder.
+
+    The same code builds published shapes with random weights (the GPU script's Llama-3.1-8B and
+    Llama-3.2-1B shapes): intermediate (default 3 x hidden), model_vocab (the embedding's rows,
+    default the trained tokenizer's size; ids past the tokenizer's decode to nothing),
+    tie_embeddings, rope_theta, init_std, and device / dtype to build it where it will run."""
     if mtp and arch != "qwen2":
         raise ValueError("mtp=True builds a MiMo-layout checkpoint, which is Qwen2-based: use arch='qwen2'")
     import torch
@@ -35,26 +43,29 @@ def build_tiny_llama(folder: str | Path, vocab_size: int = 512, hidden: int = 64
     folder.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab_size)
     tok.save(str(folder / "tokenizer.json"))
-    v = tok.get_vocab_size()
-    common = dict(vocab_size=v, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    v = model_vocab or tok.get_vocab_size()
+    common = dict(vocab_size=v, hidden_size=hidden, intermediate_size=intermediate or hidden * 3,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie_embeddings,
+                  rms_norm_eps=1e-6, **({"rope_theta": rope_theta} if rope_theta else {}))
     cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
     extra = {"head_dim": hidden // heads} if arch == "qwen3" else {}
     config = cfg_cls(**common, **extra)
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    with torch.device(device):
+        model = model_cls(config).to(getattr(torch, dtype)).eval()
     with torch.no_grad():  # larger than the default init so that the logits are not all near-equal
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.15)
+                p.normal_(0, init_std)
     model.save_pretrained(str(folder), safe_serialization=True)
     if mtp:
         _add_mtp_layer(folder, config, seed)
     (folder / "specsweep_tiny.json").write_text(json.dumps({"built_by": "specsweep.bench.tiny_models", "arch": arch,
-                                                            "random_weights": True, "seed": seed}))
+                                                            "random_weights": True, "seed": seed,
+                                                            "init_std": init_std}))
     return folder
 
 

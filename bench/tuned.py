@@ -4,6 +4,8 @@ run, or off, written in the engine's own syntax by its adapter (Backend.engine_c
 --speculative-config JSON, SGLang's server arguments, llama-server's flags, specsweep's overrides
 for the engines whose loop is specsweep's), with the speedup it rests on.
 
+- Rows whose acceptance was forced (method=synthetic: an engine's cost surface, not a config to
+  run) are left out.
 - Measured rows decide: the fastest (method, k) at that batch size whose 95% interval lies above
   1, else off. At a load point: the fastest by tpot_speedup whose repeats all improved p50 TPOT
   (tpot_speedup_low > 1), else off.
@@ -139,6 +141,8 @@ def tuned_configs(df: pd.DataFrame, sweep_dir: Path) -> tuple[pd.DataFrame, list
     if df.empty or "status" not in df.columns:
         return pd.DataFrame(columns=cols), []
     d = df[(df.status == "ok") & (df.method != "autoregressive")]
+    if "acceptance_forced" in d.columns:  # a synthetic method measures the engine, not a config to run
+        d = d[d.acceptance_forced.fillna(False) != True]  # noqa: E712 - a column of bools and NaN
     if "backend" not in d.columns or d.empty:
         return pd.DataFrame(columns=cols), []
     d = _num(d, ["speedup", "speedup_ci_low", "speedup_ci_high", "tpot_speedup", "tpot_speedup_low", "tpot_speedup_high"])

@@ -355,3 +355,16 @@ def test_draft_prob_in_a_trace_file_is_checked(tmp_path):
     t = load_traces(f)[0]
     assert np.array_equal(t.confidence["m"], [[0.5, 0.25], [0.75, np.nan], [np.nan, np.nan]], equal_nan=True)
     assert t.matched["m"].tolist() == [0, 2, 1] and t.prompt_token_ids == [1, 2]
+
+
+def test_conf_is_refused_by_the_engines_adaptive_method_and_says_why():
+    """The engine's adaptive drafter gives a policy the lookups' proposal lengths only, not the
+    drafter's probabilities conf reads: a configuration error naming the kinds it can run."""
+    from types import SimpleNamespace
+
+    from backends.native.backend import adaptive_policy
+
+    with pytest.raises(ValueError, match=r"reads the lookup's match length or the drafter's probabilities.*match, ema"):
+        adaptive_policy({"policy": "conf:ngram+draft_model:1:8:4:0.3"})
+    with pytest.raises(ValueError, match="request 0 has no draft_prob of \\['eagle'\\]"):
+        Policy.parse("conf:eagle:4:0.3").begin(SimpleNamespace(id=0, prompt_len=3, drafted={}), None)

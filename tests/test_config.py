@@ -95,3 +95,33 @@ def test_every_method_declares_its_drafter_and_the_harness_reads_it_not_the_name
     cfg = _cfg("method.drafter=neural")
     with pytest.raises(ConfigError, match=r"method.drafter='neural' \(method ngram\).*none, lookup, model, head"):
         validate(cfg)
+
+
+def test_a_methods_yaml_is_its_schema_read_from_the_files(tmp_path, monkeypatch):
+    import shutil
+
+    import bench.methods as m
+
+    for name, keys in m.method_schemas().items():
+        assert keys == list(OmegaConf.load(m.METHOD_DIR / f"{name}.yaml"))
+    with pytest.raises(ConfigError, match=r"method.min_ngramm is not a knob of method ngram .*did you mean min_ngram\?"
+                                          r".*valid for ngram: name, speculative, drafter, min_ngram, max_ngram"):
+        validate(_cfg("method=ngram", "++method.min_ngramm=2"))
+    validate(_cfg("method=ngram", "++method.draft_layers=1"))  # draft_model's knob: not an error for ngram
+    assert m.split_method_keys({"name": "ngram", "draft_layers": 1, "alpha": 2}) == (["draft_layers"], ["alpha"])
+    # a mixed drafter drafts with other methods' drafters: their knobs are its own
+    assert m.split_method_keys({"name": "combined", "drafter": "mixed", "skip_layers": [1], "alpha": 2}) == ([], ["alpha"])
+    with pytest.raises(ConfigError, match=r"method.max_ngramm is not a knob of method adaptive .*valid for adaptive: "
+                                          r"name, .*policy.*, and the knobs of the methods it drafts with"):
+        validate(_cfg("method=adaptive", "++method.max_ngramm=2"))
+    # a method added as a file is known by its file alone
+    shutil.copy(m.METHOD_DIR / "ngram.yaml", tmp_path / "ngram.yaml")
+    (tmp_path / "toy.yaml").write_text("name: toy\nspeculative: true\ndrafter: lookup\nalpha: 0.5\n")
+    monkeypatch.setattr(m, "METHOD_DIR", tmp_path)
+    m._method_configs.cache_clear()
+    try:
+        assert m.method_schemas()["toy"] == ["name", "speculative", "drafter", "alpha"]
+        assert m.split_method_keys({"name": "ngram", "alpha": 2}) == (["alpha"], [])
+    finally:
+        monkeypatch.undo()
+        m._method_configs.cache_clear()

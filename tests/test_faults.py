@@ -131,6 +131,25 @@ def test_a_results_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
     assert "is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_report_that_fails_is_exit_1_with_the_results_kept(tmp_path, tiny_llama):
+    """Hydra turns an exception in its end-of-sweep callback into a warning; the report's failure
+    must still show in the exit status. The failure is injected into the sweep's own process by a
+    sitecustomize on its PYTHONPATH (write_report raising)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import bench.report\n"
+        "def _fail(*a, **k):\n    raise RuntimeError('injected report failure')\n"
+        "bench.report.write_report = _fail\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=s", "model=local",
+                        f"model.path={tiny_llama}", "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1",
+                        "max_new_tokens=4", "repeats=1"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "the report failed: RuntimeError: injected report failure" in r.stderr and "specsweep-report" in r.stderr
+    assert [json.loads(p.read_text())["status"] for p in (tmp_path / "s").glob("*/summary.json")] == ["ok"]
+
+
 # ------------------------------------------------------------------ inputs
 
 def test_an_empty_prompt_is_refused_with_its_id(tmp_path):
@@ -160,6 +179,32 @@ def test_a_mistyped_backend_key_is_refused_with_the_valid_ones(tmp_path, tiny_ll
             "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1", "+backend.dtpye=bfloat16", timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "backend.dtpye is not a setting of backend native; valid: dtype, device, threads, trace" in r.stderr
+
+
+def test_a_mistyped_method_key_is_refused_for_every_job_before_anything_runs(tmp_path, tiny_llama):
+    r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "model=local", f"model.path={tiny_llama}",
+            "method=ngram,draft_model", "workload=chat", "batch_size=1", "num_prompts=1", "++method.min_ngramm=2",
+            timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "2 of 2 jobs have bad input; nothing was run" in r.stderr
+    assert ("job method=ngram" in r.stderr and "method.min_ngramm is not a knob of method ngram" in r.stderr
+            and "did you mean min_ngram?" in r.stderr
+            and "valid for ngram: name, speculative, drafter, min_ngram, max_ngram, prefer_recent, min_hits" in r.stderr)
+    assert "job method=draft_model" in r.stderr and "valid for draft_model: name, speculative, drafter, draft_path" in r.stderr
+    assert "Traceback" not in r.stderr and not list(tmp_path.rglob("summary.json"))
+
+
+def test_another_methods_knob_is_ignored_by_the_job_and_listed_in_its_row(tmp_path, tiny_llama):
+    """draft_path is a knob of draft_model, not of ngram: the ngram job runs without it (its
+    engine never sees the missing file) and says so, in the log and in its row."""
+    r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "model=local", f"model.path={tiny_llama}",
+            "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1", "max_new_tokens=4", "repeats=1",
+            "report=false", f"++method.draft_path={tmp_path}/missing", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("method.draft_path is a knob of draft_model, which this sweep does not run: every job ignores it"
+            in r.stdout + r.stderr)
+    (row,) = [json.loads(p.read_text()) for p in (tmp_path / "t").glob("*/summary.json")]
+    assert row["status"] == "ok" and row["method_ignored_keys"] == ["draft_path"]
 
 
 # ------------------------------------------------------------------ complete means complete

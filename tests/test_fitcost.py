@@ -24,3 +24,31 @@ def test_fit_recovers_the_target_and_drafter_coefficients_and_skips_mixed_drafte
     d = m["drafters"]["eagle3"]
     assert np.isclose(d["c_kv"], 1e-6) and np.isclose(d["c_fixed"] + 5 * d["c_tokens"], 0.011)
     assert "combined" not in m["drafters"]  # its drafting mixes n-gram and the head: no single drafter
+
+
+def test_cycles_that_name_their_drafter_fit_that_drafter(tmp_path):
+    """An adaptive job's cycles carry draft_source: a cycle drafted by one method alone fits that
+    method's drafter (a lookup's as a share of the verify), a plain step ("off") the target only,
+    and a cycle whose rows mixed drafters no drafter."""
+    import json
+
+    from bench.fitcost import unique_cycles
+
+    job = tmp_path / "sweep" / "j"
+    job.mkdir(parents=True)
+    (job / "summary.json").write_text(json.dumps({"job": "j", "status": "ok", "method": "adaptive"}))
+    (job / "config.yaml").write_text("method: {name: adaptive, drafter: mixed}\n")
+    rows = []
+    for cyc, (src, drafted) in enumerate([("draft_model", 3), ("ngram", 5), ("off", 0), ("draft_model", 3)] * 10):
+        rows.append(dict(run="spec", repeat=0, batch=0, cycle=cyc, row=0, draft_source=src, drafted=drafted,
+                         accepted=min(drafted, 1), emitted=2, kv_len=100 + cyc, batch_rows=1,
+                         t_draft=0.001 + 0.002 * drafted * (src == "draft_model"), t_verify=0.05, t_other=0.001))
+    rows.append(dict(rows[0], cycle=99, row=0, draft_source="ngram"))  # one cycle, two rows, two drafters
+    rows.append(dict(rows[0], cycle=99, row=1, draft_source="draft_model"))
+    pd.DataFrame(rows).to_parquet(job / "cycles.parquet")
+    c = unique_cycles(tmp_path / "sweep")
+    assert c[c.cycle == 99].mixed_drafters.all() and not c[c.cycle != 99].mixed_drafters.any()
+    assert set(c[c.cycle != 99].method) == {"draft_model", "ngram", "autoregressive"}
+    m = fit(c)
+    assert m["drafters"]["ngram"]["kind"] == "relative" and m["drafters"]["draft_model"]["kind"] == "linear"
+    assert "adaptive" not in m["drafters"]

@@ -197,3 +197,41 @@ def test_a_crash_mid_sweep_is_an_error_row_and_the_test_run_survives(tmp_path):
     assert killed, "the worker was never seen"
     assert row["status"] == "error" and "SIGSEGV" in row["error"], row.get("error")
     assert not _worker_pids()
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_by_sigkill_leaves_no_engine_process(tmp_path):
+    """The sweep process SIGKILLed while its job measures (nothing of it runs to clean up): the
+    engine worker leads a process group of its own, and the worker and everything in its group
+    are gone within seconds (the kernel's parent-death signal; backends/worker_loop.py)."""
+    import subprocess
+
+    from procs import alive, cmdline, descendants, in_group, pgid  # tests/procs.py
+
+    p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=k",
+                          "backend=llamacpp", "backend.repack=off", "method=ngram", "workload=code_edit",
+                          "batch_size=1", "num_prompts=2", "max_new_tokens=256", "repeats=3", "report=false"],
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err.txt", "w"),
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline, workers = time.time() + 300, []
+        while time.time() < deadline and p.poll() is None and not (workers and list(tmp_path.glob("k/*/llamacpp-worker.log"))):
+            workers = [c for c in descendants(p.pid) if "backends.llamacpp_worker" in cmdline(c)]
+            time.sleep(0.1)
+        assert workers, f"no llama.cpp worker was seen; the sweep said: {(tmp_path / 'err.txt').read_text()[-2000:]}"
+        time.sleep(2.0)  # the model is loaded and the job is measuring
+        (worker,) = workers
+        group = pgid(worker)
+        assert group == worker  # a group of its own, for whatever its engine starts
+        family = descendants(p.pid) | in_group(group)
+        assert p.poll() is None, "the sweep ended before it was killed"
+        p.kill()
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    deadline = time.time() + 30
+    while time.time() < deadline and (alive(family) or in_group(group)):
+        time.sleep(0.2)
+    assert not alive(family) and not in_group(group), [cmdline(x) for x in alive(family) | in_group(group)]
+    assert not list((tmp_path / "k").glob("*/summary.json"))  # the killed job left no result

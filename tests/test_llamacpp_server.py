@@ -68,6 +68,27 @@ def test_self_draft_accepts_nearly_everything(model_link):
     assert c.draft_tokens > 0 and c.accepted_tokens / c.draft_tokens > 0.95
 
 
+@pytest.mark.slow
+def test_synthetic_acceptance_is_forced_by_llama_servers_own_mode(model_link):
+    """method=synthetic is llama-server's --spec-synth-rates (unconditional per-position rates) on
+    n-gram drafts: position 1 is accepted in every draft, position 3 in none, whatever the model
+    would have said; the flag as llama-server's own parser takes it."""
+    from backends.llamacpp_server import spec_flags
+
+    flags = spec_flags({"name": "synthetic", "acceptance_rates": [1.0, 0.5, 0.0]}, 3)
+    assert flags[flags.index("--spec-synth-rates") + 1] == "1,0.5,0"
+    b = LlamaServerBackend({"path": model_link}, {"name": "synthetic", "acceptance_rates": [1.0, 0.5, 0.0]},
+                           num_speculative_tokens=3)
+    try:
+        prompts = [b.tokenize(p.text) for p in load_prompts("chat", 2, seed=0)]
+        c = b.generate(prompts, Sampling(), 48, speculative=True).spec_counters
+    finally:
+        b.close()
+    assert c.drafts > 5 and c.accepted_per_position[0] == c.drafts and c.accepted_per_position[2] == 0
+    assert 0 < c.accepted_per_position[1] < c.drafts
+    assert not _servers_with(model_link)
+
+
 def test_bad_model_file_gives_the_server_log_and_leaves_no_process(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)

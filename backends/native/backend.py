@@ -7,18 +7,22 @@ from dataclasses import dataclass, fields
 import torch
 
 from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, reject_unknown
-from bench.methods import specsweep_overrides
+from bench.methods import specsweep_overrides, synthetic_rates
 
 from ..cpu_probe import cpu_identity
 from . import kernels
-from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
+from .adaptive import AdaptiveDrafter
+from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, SyntheticDrafter
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
 from .scheduler import serve
 from .loading import load_model
 from .sampling import SamplingParams
 
-METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined")
+METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
+           "synthetic", "adaptive")
+# what an adaptive policy may choose between: drafters that keep to their own rows' state
+ADAPTIVE_DRAFTERS = ("ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp")
 NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp")
 log = logging.getLogger("specsweep")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
@@ -48,6 +52,44 @@ def greedy_with_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ids = logits.argmax(-1)  # as the engine's drafters choose
     x = logits.float()
     return ids, torch.exp(x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1))
+
+
+def adaptive_policy(m: dict):
+    """method=adaptive's policy (method.policy, in specsweep-oracle's --policies syntax; one of the
+    realizable adaptive kinds) and, for policies that price their choices, a Context factory (by
+    batch size) from method.cost_model (a specsweep-fit-cost file or a named model) and
+    method.accounting."""
+    from bench.oracle.adaptive import Adaptive
+    from bench.oracle.policies import POLICIES, Context, Policy
+
+    spec = m.get("policy")
+    kinds = [k for k, c in POLICIES.items() if issubclass(c, Adaptive)]
+    if not isinstance(spec, str):
+        raise ValueError(f"method.policy={spec!r} is not valid; give a policy spec of kind {', '.join(kinds)} "
+                         "(e.g. match:ngram+draft_model:1:8:4; see specsweep-oracle --help)")
+    policy = Policy.parse(spec)
+    if not isinstance(policy, Adaptive):
+        raise ValueError(f"method.policy={spec!r}: the engine runs realizable adaptive policies only; use a kind of "
+                         f"{', '.join(kinds)}")
+    if policy.needs_matched or policy.needs_confidence:  # conf: signals the traces carry, this drafter does not
+        raise ValueError(f"method.policy={spec!r} reads the lookup's match length or the drafter's probabilities of "
+                         "its drafts, which the engine's adaptive drafter does not give a policy (only the lookups' "
+                         f"proposal lengths); use a kind of {', '.join(k for k in kinds if k != policy.kind)}")
+    bad = [n for n in policy.methods if n not in ADAPTIVE_DRAFTERS]
+    if bad:
+        raise ValueError(f"method.policy={spec!r} names {', '.join(bad)}; an adaptive policy chooses between "
+                         f"{', '.join(ADAPTIVE_DRAFTERS)}")
+    if not policy.batch_aware:
+        return policy, None
+    if not m.get("cost_model"):
+        raise ValueError(f"method.policy={spec!r} prices its choices: give method.cost_model (a specsweep-fit-cost "
+                         "YAML of this engine, or a named model such as llama3.1-8b-h100)")
+    from bench.costmodel import load_cost_model
+
+    cost, accounting = load_cost_model(str(m["cost_model"])), m.get("accounting", "faithful")
+    if accounting not in ("faithful", "optimistic"):
+        raise ValueError(f"method.accounting={accounting!r} is not valid; use faithful or optimistic")
+    return policy, lambda batch: Context(cost, batch, accounting)
 
 
 def _load(path: str, dtype: str, device: str):
@@ -88,6 +130,8 @@ class NativeBackend(Backend):
         reject_unknown(settings, [f.name for f in fields(NativeConfig)], "native")
         NativeConfig(**settings)
         resolve_model_path(model["path"])
+        if method.get("name") == "adaptive":
+            adaptive_policy(method)
         for key in ("draft_path", "head_path"):
             if method.get(key):
                 from pathlib import Path
@@ -166,6 +210,16 @@ class NativeBackend(Backend):
             min_match = m.get("min_match", 1)
             return CombinedDrafter(ngram, inner, min_match,
                                    f"n-gram when it matches >= {min_match} token(s), else {inner.label}")
+        if name == "adaptive":
+            policy, context = adaptive_policy(m)
+            subs = [self._make_drafter(n, {**m, "name": n}) for n in policy.methods]
+            return AdaptiveDrafter(policy, list(policy.methods), subs, k,
+                                   f"adaptive: policy {policy.name} (k at most {k}) over "
+                                   + "; ".join(f"{n}: {d.label}" for n, d in zip(policy.methods, subs)), context)
+        if name == "synthetic":
+            rates = synthetic_rates(m, k)
+            return SyntheticDrafter(k, rates, f"synthetic: acceptance forced at the verifier, unconditional per-position "
+                                              f"rates {[round(x, 4) for x in rates]}")
         raise AssertionError(name)
 
     def _load_head(self, name: str, head_path: str | None):

@@ -32,6 +32,7 @@ class Proposal:
     tokens: list[list[int]]  # per active row, 0..k tokens
     probs: list[torch.Tensor | None]  # per row [len, V] draft probabilities, None = deterministic
     sources: list[str] | None = None  # per row, which drafter proposed (combined methods)
+    forced: list[int] | None = None  # per row, how many draft tokens the verifier must accept (synthetic)
 
 
 class Drafter(Protocol):
@@ -294,3 +295,23 @@ class CombinedDrafter(Drafter):
 
     def release(self, row):
         self.neural.release(row)
+
+
+class SyntheticDrafter(Drafter):
+    """Forced acceptance, to measure the engine's cost surface apart from any drafter: k
+    placeholder tokens per row (the row's last token repeated: only the verify's width costs),
+    and per row a number to accept, drawn from the unconditional per-position rates (position j
+    accepted with probability rates[j] / rates[j - 1] given j - 1 were), which engine._verify
+    keeps before taking the target's own next token, as vLLM's synthetic rejection sampler does.
+    The output is then not the target's: lossless does not apply."""
+
+    def __init__(self, k: int, rates: list[float], label: str):
+        from bench.methods import conditional_rates
+
+        self.k, self.label = k, label
+        self.conditional = torch.tensor(conditional_rates(rates))
+
+    def propose(self, rows, seqs, sp, gen) -> Proposal:
+        draws = torch.rand((len(rows), self.k), generator=gen) < self.conditional
+        forced = draws.long().cumprod(-1).sum(-1).tolist()
+        return Proposal([[s[-1]] * self.k for s in seqs], [None] * len(rows), forced=forced)

@@ -16,18 +16,22 @@ from .sampling import SamplingParams, accepted_prefix, select, verify
 
 
 class Target(Protocol):
-    """What the loop asks of the target model (model.Transformer): a static KV cache of
-    max_batch slots by max_len positions, and a forward over some slots of it (rows) that gives
-    logits where logits_for is True, plus the captured hidden states when capture is given."""
+    """What the loop asks of the target model (model.Transformer; the llama.cpp worker's
+    LlamaCppTarget): a KV cache of max_batch slots by max_len positions, a forward over some slots
+    of it (rows) that writes every token's KV and gives logits where logits_for is True (flat, in
+    row order), plus the captured hidden states when capture is given, and a rollback that keeps
+    a slot's first positions (the KV of rejected drafts dropped, where the cache needs it)."""
 
     max_batch: int
     max_len: int
-    embed: torch.nn.Embedding  # its weight's device is where the loop runs
+    device: torch.device  # where the loop's tensors live
 
     def setup_cache(self, max_batch: int, max_len: int) -> None: ...
 
     def __call__(self, tokens: Tensor, pos: Tensor, rows: Tensor | None = None, logits_for: Tensor | None = None,
                  capture: tuple | None = None): ...
+
+    def rollback(self, slot: int, length: int) -> None: ...
 
 
 @dataclass
@@ -80,8 +84,9 @@ def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, 
     the drafter the prompt, which resets whatever the slot's previous occupant left there. The
     cache needs no clearing: a query at position p attends to slots 0..p only (model.causal_mask),
     all written by this row before it reads them. Returns whether the row goes on."""
-    dev = model.embed.weight.device
+    dev = model.device
     p = row.seq
+    model.rollback(row.slot, 0)  # a slot reused under load: its previous occupant's KV goes
     toks = torch.tensor([p], device=dev)
     last = torch.zeros_like(toks, dtype=torch.bool)
     last[0, -1] = True
@@ -102,10 +107,17 @@ def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, 
     return out.finished_by != "eos" and len(out.tokens) < max_new_tokens
 
 
-def _verify(logits, toks, need, drafts, qs, sp, gen) -> list[tuple[int, list[int]]]:
+def _verify(logits, toks, need, drafts, qs, sp, gen, forced=None) -> list[tuple[int, list[int]]]:
     """Per row: (draft tokens accepted, tokens emitted = the accepted draft + the target's next).
     Greedy stays on the device but for K + 2 integers a row; sampling draws on the host, from
-    the CPU generator the run is seeded with."""
+    the CPU generator the run is seeded with. forced (a synthetic drafter's): per row the count
+    to accept whatever the tokens; the target chooses the token after them."""
+    if forced is not None:
+        starts = torch.tensor([len(d) + 1 for d in drafts]).cumsum(0) - torch.tensor([len(d) + 1 for d in drafts])
+        at = (starts + torch.tensor(forced)).to(logits.device)
+        logits = logits[at]
+        nxt, _ = select(logits.float().cpu() if not sp.greedy else logits, sp, gen)
+        return [(a, d[:a] + [int(t)]) for d, a, t in zip(drafts, forced, nxt.tolist())]
     if sp.greedy:
         target = torch.full_like(toks, -1)
         target[need] = logits.argmax(-1)  # [B, K + 1]: the target's token after each draft prefix
@@ -127,7 +139,7 @@ def cycle(model: Target, drafter: Drafter, rows: list[Row], sp: SamplingParams, 
     its accepted prefix and the target's next token, cut at EOS and at max_new_tokens. Appends to
     each row and stamps its emit time; finished rows release their drafter state. Returns (the
     rows still going, one trace record per row)."""
-    dev = model.embed.weight.device
+    dev = model.device
     t0 = _clock(dev)
     prop = drafter.propose([r.slot for r in rows], [r.seq for r in rows], sp, gen)
     drafts = prop.tokens
@@ -145,10 +157,11 @@ def cycle(model: Target, drafter: Drafter, rows: list[Row], sp: SamplingParams, 
                    logits_for=need_t, capture=drafter.capture)
     logits, feats = logits if drafter.capture else (logits, None)
     t2 = _clock(dev)
-    verdicts = _verify(logits, toks_t, need_t, drafts, prop.probs, sp, gen)
+    verdicts = _verify(logits, toks_t, need_t, drafts, prop.probs, sp, gen, prop.forced)
     margins, at = _top2_margin(logits) if record_margins else None, 0  # flat over the rows' verified positions
     old_lens, still = [len(r.seq) for r in rows], []
     for r, d, (a, new) in zip(rows, drafts, verdicts):
+        model.rollback(r.slot, len(r.seq) + a)  # its last token and the accepted drafts stay cached
         new = new[: max_new_tokens - len(r.out.tokens)]
         eos = next((j for j, t in enumerate(new) if t in eos_ids), None)
         if eos is not None:
@@ -191,7 +204,7 @@ def generate(
     emitted counts, the row's KV length and the cycle's t_draft / t_verify / t_other (shared by
     the rows of the cycle), and the seconds from the first prefill to the end."""
     drafter = NoDrafter() if drafter is None else drafter
-    dev = model.embed.weight.device
+    dev = model.device
     setup(model, drafter, len(prompts), max_len_for(prompts, max_new_tokens, drafter))
     rows = [Row(b, b, list(p), RowOutput(list(p))) for b, p in enumerate(prompts)]
     cycles: list[dict] = []

@@ -255,6 +255,15 @@ class Transformer(nn.Module):
     def output_weight(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep only the first `length` positions of a slot's KV. Nothing to do in a static cache: a
+        query at position p attends to slots 0..p only (causal_mask), so entries past a row's
+        length are never read before they are written again."""
+
     def setup_cache(self, max_batch: int, max_len: int):
         p = self.embed.weight
         self.max_batch, self.max_len = max_batch, max_len

@@ -50,7 +50,7 @@ def serve(
     request index, `slot` its KV slot, `t` the cycle's start since the run began and batch_rows
     the rows it verified; wall the seconds from the run's start to the last token."""
     drafter = NoDrafter() if drafter is None else drafter
-    dev = model.embed.weight.device
+    dev = model.device
     n = len(prompts)
     check_plan(plan, n)
     setup(model, drafter, plan.max_rows, max_len_for(prompts, max_new_tokens, drafter))

@@ -350,6 +350,10 @@ class Confidence(Adaptive):
         return cls(_methods(spec, args[0], 2), kmax, m, kc, thr)
 
     def begin(self, t, ctx):
+        missing = self.missing_signals(t)
+        if missing:
+            raise PolicyError(f"policy {self.name}: request {t.id} has no {self.say_missing(missing)}; it reads them "
+                              "before each cycle (specsweep's traces record them)")
         conf = t.confidence[self.methods[-1]]
         if conf.shape[1] < min(self.k, len(t.acc[self.methods[-1]]) - 1):  # a short generation has short rows
             raise PolicyError(f"policy {self.name}: KMAX {self.k} is more than the {conf.shape[1]} drafts per cycle "

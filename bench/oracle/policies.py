@@ -115,7 +115,7 @@ class Policy:
         return [(field, self.methods[j]) for field, attr, need in (
             ("draft_len", "drafted", self.needs_drafted), ("match_len", "matched", self.needs_matched),
             ("draft_prob", "confidence", self.needs_confidence)) for j in need
-            if (getattr(t, attr) or {}).get(self.methods[j]) is None]
+            if (getattr(t, attr, None) or {}).get(self.methods[j]) is None]
 
     @staticmethod
     def say_missing(pairs) -> str:

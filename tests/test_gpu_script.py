@@ -1,0 +1,72 @@
+"""benchmarks/gpu_validation.py, the one prepared script for a GPU machine, in its --dry-run mode:
+every stage on the CPU at tiny sizes (random-weight models built by the script), so that the GPU
+run does not fail on a typo. Checks the stages' records and that what it writes is what
+specsweep's report and fit-cost read. The GPU run itself needs a CUDA device."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_validation.py"
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-dry")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], capture_output=True, text=True,
+                       timeout=900)
+    return out, r
+
+
+def test_every_stage_runs_and_is_recorded(dry):
+    out, r = dry
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    stages = s["stages"]
+    assert list(stages) == ["env", "deps", "models", "parity", "roofline", "lossless", "synthetic", "engines"]
+    assert {n: x["status"] for n, x in stages.items()} == {n: "ok" for n in stages}, {n: x.get("error") for n, x in stages.items()}
+    assert s["dry_run"] is True and "random" in s["weights"]
+    models = stages["models"]["results"]
+    assert set(models) == {"llama31_8b", "llama32_1b"} and all(m["random_weights"] for m in models.values())
+    assert json.loads((Path(models["llama31_8b"]["path"]) / "specsweep_tiny.json").read_text())["random_weights"]
+    p = stages["parity"]["results"]
+    assert p["tokens"] == 16 and p["logits_max_abs_diff"] < 1e-3
+    roof = stages["roofline"]["results"]
+    assert roof["weight_bytes"] > 0 and roof["roofline_step_ms"] > 0 and roof["decode_ms_eager"] > 0
+    assert set(roof["verify_cost_ratio"]) == {"1", "2"} and set(roof["verify_cost_ratio"]["1"]["r"]) == {"1", "2", "3", "4"}
+    assert "decode_ms_compiled" not in roof  # --compile defaults to CUDA only
+    lossless = stages["lossless"]["results"]["rows"]
+    assert len(lossless) == 4 and {x["lossless"] for x in lossless} <= {"true"}
+    syn = stages["synthetic"]["results"]
+    assert [x["batch_size"] for x in syn["rows"]] == [1, 2] and all(x["acceptance_forced"] for x in syn["rows"])
+    assert syn["fitted_target"]["c_fixed"] == syn["fitted_target"]["c_fixed"] and syn["published_target"]["c_kv"] > 0
+    assert stages["engines"]["results"]["ran"] == [] or torch.cuda.is_available()
+
+
+def test_its_sweeps_are_results_folders_the_report_reads(dry, tmp_path):
+    out, r = dry
+    assert r.returncode == 0
+    rep = subprocess.run([sys.executable, "-m", "bench.report", str(out / "sweeps" / "synthetic")], capture_output=True,
+                         text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    assert list((out / "sweeps" / "synthetic" / "report").glob("*.md")) and (out / "cost_8b.yaml").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_cuda_the_real_run_is_refused_with_what_to_do(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device here; run with --dry-run" in r.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--wheels", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--wheels" in bad.stderr and "not a folder" in bad.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU run needs a CUDA device (none here)")
+def test_the_gpu_run_parity_and_roofline_stages(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--only", "parity", "roofline"],
+                       capture_output=True, text=True, timeout=900)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["stages"]["parity"]["status"] == "ok" and s["stages"]["roofline"]["status"] == "ok", r.stdout[-3000:]
