@@ -124,10 +124,7 @@ class LlamaCppBackend(Backend):
     def engine_config(cls, method: dict, k: int | None) -> list[str]:
         """specsweep's overrides: the draft/verify loop over llama.cpp is specsweep's
         (backends/llamacpp_worker.py)."""
-        if k is not None and method.get("name") not in METHODS:
-            raise ValueError(f"method {method.get('name')!r} is not supported by backend llamacpp; it supports "
-                             f"{', '.join(METHODS)}")
-        return specsweep_overrides(cls.name, method, k)
+        return specsweep_overrides(cls.name, cls.supported_methods, method, k)
 
     def latency_contract(self) -> dict:
         # specsweep's loop emits a cycle's tokens at once; the library's generate() yields per token

@@ -43,17 +43,6 @@ from .native.sampling import SamplingParams, select
 from .native.scheduler import serve as run_load
 from .worker_loop import serve
 
-def top2_margin(logits: np.ndarray) -> tuple[int, float]:
-    """argmax and top-1 minus top-2 logit, in two passes over the row (a full partition of 262k
-    logits costs ~1.5 ms a token here, enough to slow the baseline it is measured on)."""
-    i = int(logits.argmax())
-    v = float(logits[i])
-    logits[i] = -np.inf  # a scratch view of llama.cpp's buffer, rewritten by the next decode
-    second = float(logits.max())
-    logits[i] = v
-    return i, v - second
-
-
 LOG_LINES: list[str] = []  # llama.cpp's log lines of the current load (its buffer sizes among them)
 
 

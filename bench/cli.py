@@ -113,10 +113,9 @@ class SweepSummary(Callback):
                 print(f"specsweep: every job's results are in {sweep_dir}, but the report failed: {type(e).__name__}: "
                       f"{e}; rerun it with `specsweep-report {sweep_dir}`", file=sys.stderr)
                 report_failed = True
-        if report_failed and not len(errors):
-            raise SystemExit(1)
-        if len(errors):  # exit status 1: some jobs failed (their rows, the table and the report are written)
+        if len(errors):  # some jobs failed (their rows, the table and the report are written)
             print(f"specsweep: {len(errors)} of {len(df)} jobs failed (status=error or timeout)", file=sys.stderr)
+        if len(errors) or report_failed:
             raise SystemExit(1)
 
 

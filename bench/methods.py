@@ -131,7 +131,6 @@ def is_lookup(method) -> bool:
     return drafter_kind(method) == "lookup"
 
 
-
 def drafts_without_model(method) -> bool:
     """No model forward drafts (a lookup, or forced acceptance): drafting costs a share of the
     verify, fitted and priced as such (costmodel's `relative` kind)."""
@@ -195,14 +194,16 @@ def _hydra_value(v) -> str:
     return str(v)
 
 
-def specsweep_overrides(backend: str, method: dict, k: int | None) -> list[str]:
+def specsweep_overrides(backend: str, supported: tuple[str, ...], method: dict, k: int | None) -> list[str]:
     """specsweep's command-line overrides that run `method` at draft length k on `backend` (k None:
     speculation off, the baseline method): backend, method, num_speculative_tokens, and each
     method.KEY of its own (not another method's, which its engine ignores) whose value differs from
-    conf/method/<name>.yaml's."""
+    conf/method/<name>.yaml's. A method not in `supported` (the engine's) is a ValueError."""
     if k is None:
         return [f"backend={backend}", "method=autoregressive"]
     name = method["name"]
+    if name not in supported:
+        raise ValueError(f"method {name!r} is not supported by backend {backend}; it supports {', '.join(supported)}")
     defaults = method_defaults(name)
     ignored, _ = split_method_keys(method)
     knobs = [f"method.{key}={_hydra_value(v)}" for key, v in method.items()

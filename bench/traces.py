@@ -115,8 +115,7 @@ def build_traces(job_dir: Path, methods: list[str], k: int | None = None,
         knobs = replayed_lookup(mcfg)
         if knobs is not None:
             for r in rows:
-                acc, drafted, matched = ngram_acc_len(r["prompt_token_ids"], r["generated_token_ids"], k,
-                                                      with_draft_len=True, with_match_len=True, **knobs)
+                acc, drafted, matched = lookup_trace(r["prompt_token_ids"], r["generated_token_ids"], k, **knobs)
                 r[f"acc_{name}"] = {"acc_len": acc.tolist(), "draft_len": drafted.tolist(), "match_len": matched.tolist()}
             notes[name] = "exact: prompt lookup replayed over the generated tokens"
             continue

@@ -47,3 +47,14 @@ def alive(pids) -> set[int]:
 def in_group(group: int) -> set[int]:
     """Every live process of a process group."""
     return alive(int(p.name) for p in Path("/proc").glob("[0-9]*") if pgid(int(p.name)) == group)
+
+
+def left_after(family, group: int, timeout_s: float, poll_s: float = 0.2) -> set[int]:
+    """Wait up to timeout_s for every process of `family` and of process group `group` to be
+    gone; returns those still alive then (empty: all gone)."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (alive(family) or in_group(group)):
+        time.sleep(poll_s)
+    return alive(family) | in_group(group)

@@ -206,7 +206,7 @@ def test_a_sweep_killed_by_sigkill_leaves_no_engine_process(tmp_path):
     are gone within seconds (the kernel's parent-death signal; backends/worker_loop.py)."""
     import subprocess
 
-    from procs import alive, cmdline, descendants, in_group, pgid  # tests/procs.py
+    from procs import cmdline, descendants, in_group, pgid, left_after  # tests/procs.py
 
     p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=k",
                           "backend=llamacpp", "backend.repack=off", "method=ngram", "workload=code_edit",
@@ -230,8 +230,6 @@ def test_a_sweep_killed_by_sigkill_leaves_no_engine_process(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
-    deadline = time.time() + 30
-    while time.time() < deadline and (alive(family) or in_group(group)):
-        time.sleep(0.2)
-    assert not alive(family) and not in_group(group), [cmdline(x) for x in alive(family) | in_group(group)]
+    left = left_after(family, group, timeout_s=30, poll_s=0.2)
+    assert not left, [cmdline(x) for x in left]
     assert not list((tmp_path / "k").glob("*/summary.json"))  # the killed job left no result

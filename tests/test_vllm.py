@@ -256,7 +256,7 @@ def test_a_sweep_killed_by_sigkill_leaves_no_vllm_process(tiny64, tmp_path):
     import signal
     import time
 
-    from procs import alive, cmdline, descendants, in_group, pgid  # tests/procs.py
+    from procs import cmdline, descendants, in_group, pgid, left_after  # tests/procs.py
 
     p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=k", "backend=vllm",
                           "model=local", f"model.path={tiny64}", "method=ngram", "workload=code_edit", "batch_size=2",
@@ -279,7 +279,5 @@ def test_a_sweep_killed_by_sigkill_leaves_no_vllm_process(tiny64, tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
-    deadline = time.time() + 60
-    while time.time() < deadline and (alive(family) or in_group(group)):
-        time.sleep(0.5)
-    assert not alive(family) and not in_group(group), [cmdline(x) for x in alive(family) | in_group(group)]
+    left = left_after(family, group, timeout_s=60, poll_s=0.5)
+    assert not left, [cmdline(x) for x in left]

@@ -143,10 +143,7 @@ class NativeBackend(Backend):
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str]:
         """specsweep's own overrides: this engine is specsweep's."""
-        if k is not None and method.get("name") not in METHODS:
-            raise ValueError(f"method {method.get('name')!r} is not supported by backend native; it supports "
-                             f"{', '.join(METHODS)}")
-        return specsweep_overrides(cls.name, method, k)
+        return specsweep_overrides(cls.name, cls.supported_methods, method, k)
 
     def weight_bytes_per_step(self) -> int:
         seen, total = set(), 0  # a tied embedding/output matrix is read once, by the output product

@@ -82,8 +82,10 @@ def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, 
             eos_ids=(), record_margins: bool = False, t_start: float = 0.0) -> bool:
     """Fill the row's slot with its prompt (one row, no padding), pick its first token and hand
     the drafter the prompt, which resets whatever the slot's previous occupant left there. The
-    cache needs no clearing: a query at position p attends to slots 0..p only (model.causal_mask),
-    all written by this row before it reads them. Returns whether the row goes on."""
+    target's rollback to 0 drops the previous occupant's KV where the cache needs that (llama.cpp);
+    the native static cache does not: a query at position p attends to slots 0..p only
+    (model.causal_mask), all written by this row before it reads them. Returns whether the row
+    goes on."""
     dev = model.device
     p = row.seq
     model.rollback(row.slot, 0)  # a slot reused under load: its previous occupant's KV goes
@@ -113,8 +115,8 @@ def _verify(logits, toks, need, drafts, qs, sp, gen, forced=None) -> list[tuple[
     the CPU generator the run is seeded with. forced (a synthetic drafter's): per row the count
     to accept whatever the tokens; the target chooses the token after them."""
     if forced is not None:
-        starts = torch.tensor([len(d) + 1 for d in drafts]).cumsum(0) - torch.tensor([len(d) + 1 for d in drafts])
-        at = (starts + torch.tensor(forced)).to(logits.device)
+        widths = torch.tensor([len(d) + 1 for d in drafts])  # each row's verified positions, flat in row order
+        at = (widths.cumsum(0) - widths + torch.tensor(forced)).to(logits.device)
         logits = logits[at]
         nxt, _ = select(logits.float().cpu() if not sp.greedy else logits, sp, gen)
         return [(a, d[:a] + [int(t)]) for d, a, t in zip(drafts, forced, nxt.tolist())]
