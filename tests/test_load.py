@@ -95,6 +95,13 @@ def _in_flight_max(req: pd.DataFrame) -> int:
     return best
 
 
+def _opened_with(req: pd.DataFrame) -> int:
+    """How many requests were submitted before the first answer came back: a closed loop at level n opens
+    with n (a wall-clock threshold would measure the machine's mood, not the loop)."""
+    first_answer = (req.submitted_s + req.e2e_s).min()
+    return int((req.submitted_s < first_answer).sum())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("load", ["concurrency", "rate"])
 def test_a_load_point_on_llama_server_is_one_paired_job_with_its_serving_metrics(tmp_path, load):
@@ -121,7 +128,7 @@ def test_a_load_point_on_llama_server_is_one_paired_job_with_its_serving_metrics
             assert np.allclose(got, planned, atol=0.25), (got, planned)
     else:  # a closed loop: never more than 2 in flight, and 2 from the start
         for g in arms.values():
-            assert _in_flight_max(g) == 2 and (g.submitted_s < 0.05).sum() == 2
+            assert _in_flight_max(g) == 2 and _opened_with(g) == 2
     # Greedy output is compared, but not required equal here: llama-server's logits depend on which
     # requests share a batch (the same baseline token's top-2 margin measured 0.011 in one run and
     # 0.111 in another), so under load a verify batch and a decode batch can pick different
@@ -157,7 +164,7 @@ def test_llama_cpp_in_process_serves_load_through_the_native_scheduler(tmp_path)
     assert row["load_kind"] == "concurrency" and row["batch_size"] == 2
     req = pd.read_parquet(next(tmp_path.rglob("requests.parquet")))
     for _, g in req.groupby(["run", "repeat"]):
-        assert len(g) == 5 and _in_flight_max(g) == 2 and (g.submitted_s < 0.05).sum() == 2
+        assert len(g) == 5 and _in_flight_max(g) == 2 and _opened_with(g) == 2
     cyc = pd.read_parquet(next(tmp_path.rglob("cycles.parquet")))
     assert cyc.batch_rows.max() == 2 and cyc[cyc.run == "spec"].drafted.sum() > 0
     assert 0 < row["mean_running_batch"] <= 2 and row["tpot_speedup"] > 0
