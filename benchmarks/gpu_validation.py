@@ -27,8 +27,9 @@ would start after the budget):
              greedy tokens and the logits' largest difference; a divergence counts only at a
              near-tie (top-2 margin below --margin-tol), as the harness's lossless check does
   roofline   the 8B shape in bf16, batch 1: decode ms against weight bytes / the device's read
-             bandwidth (bench.environment.read_bandwidth_gbs), eager and, with --compile,
-             torch.compile(mode="reduce-overhead") (CUDA graphs, as gpt-fast does)
+             bandwidth (bench.environment.read_bandwidth_gbs), eager and, with --compile, through
+             the engine's compiled step (backend.compile=reduce-overhead: torch.compile with CUDA
+             graphs, as gpt-fast does), with r(n) at batch 1 compiled too
   verify     r(n) = t(forward of n tokens a row) / t(1 token), n = 1..16, at batch 1, 8, 32
   lossless   a specsweep sweep on the 1B shape (bf16): ngram and draft_model at batch 1 and 4,
              the harness's own lossless check, into OUT/sweeps/lossless
@@ -279,20 +280,26 @@ def stage_roofline_and_verify(model_dir: str, dev: str, dtype: str, batches, ns,
     with torch.inference_mode():
         eager = timed(_forward(model, 1, 1, kv, dev), reps)
         out["decode_ms_eager"], out["roofline_share_eager"] = eager, roof_ms / eager
-        if compile_:
-            try:
-                fast = torch.compile(model, mode="reduce-overhead", fullgraph=False)
-                for _ in range(3):  # compile and record the graphs
-                    _forward(fast, 1, 1, kv, dev)()
-                ms = timed(_forward(fast, 1, 1, kv, dev), reps)
-                out["decode_ms_compiled"], out["roofline_share_compiled"] = ms, roof_ms / ms
-            except Exception as e:  # recorded beside the eager figure
-                out["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
         curves = {}
         for B in batches:
             one = timed(_forward(model, B, 1, kv, dev), reps)
             curves[str(B)] = {"t1_ms": one, "r": {str(n): timed(_forward(model, B, n, kv, dev), reps) / one for n in ns}}
         out["verify_cost_ratio"] = curves
+        if compile_:  # the engine's own compiled step (backend.compile=reduce-overhead), after the eager figures
+            try:
+                t = time.perf_counter()
+                model.compile_steps("reduce-overhead")
+                for n in (1, 2):  # compile the decode and the verify graph, record their CUDA graphs
+                    for _ in range(3):
+                        _forward(model, 1, n, kv, dev)()
+                out["compile_s"] = time.perf_counter() - t
+                ms = timed(_forward(model, 1, 1, kv, dev), reps)
+                out["decode_ms_compiled"], out["roofline_share_compiled"] = ms, roof_ms / ms
+                out["verify_cost_ratio_compiled_b1"] = {str(n): timed(_forward(model, 1, n, kv, dev), reps) / ms for n in ns}
+            except Exception as e:  # recorded beside the eager figures
+                out["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
+            finally:
+                model.compile_steps(None)
     best = max(out.get("roofline_share_compiled", 0), out["roofline_share_eager"])
     out["goal_roofline_share"], out["goal_met"] = 0.6, best >= 0.6
     return out

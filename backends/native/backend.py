@@ -17,6 +17,7 @@ from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate
 from .scheduler import serve
 from .loading import load_model
+from .model import COMPILE_MODES, Transformer
 from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
@@ -34,6 +35,7 @@ class NativeConfig:
     device: str = "cpu"
     threads: int | None = None
     trace: bool = True
+    compile: str | None = None  # a torch.compile mode for the decode/verify steps (model.COMPILE_MODES); null = eager
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -44,6 +46,8 @@ class NativeConfig:
             raise ValueError(f"backend.device={self.device!r} but CUDA is not available here; use backend.device=cpu")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null (torch's default)")
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise ValueError(f"backend.compile={self.compile!r} is not valid; use null (eager) or one of {', '.join(COMPILE_MODES)}")
 
 
 def greedy_with_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +111,9 @@ class NativeBackend(Backend):
     load_kinds = ("concurrency", "rate")  # served by the continuous-batching scheduler (scheduler.serve)
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, dtype: str = "float32",
-                 device: str = "cpu", threads: int | None = None, trace: bool = True, **unused):
-        self.cfg = NativeConfig(dtype=dtype, device=device, threads=threads, trace=trace)
+                 device: str = "cpu", threads: int | None = None, trace: bool = True, compile: str | None = None,
+                 **unused):
+        self.cfg = NativeConfig(dtype=dtype, device=device, threads=threads, trace=trace, compile=compile)
         self.method = dict(method)
         name = self.method.get("name")
         if name not in METHODS:
@@ -119,6 +124,8 @@ class NativeBackend(Backend):
         self.model, self.tokenizer, self.args, self.resolved = _load(self.model_path, dtype, device)
         self.k = num_speculative_tokens
         self.drafter = self._make_drafter(name, self.method)
+        for m in self._transformers():  # the model is shared by a sweep's jobs: each sets it as it asks
+            m.compile_steps(self.cfg.compile)
         self.eos = tuple(self.args.eos_token_ids)
         # Each projection's CPU product, measured on this machine (cached after the first time).
         self.kernels = kernels.tune(self._weights(), log=log.info) if self.cfg.device == "cpu" else {}
@@ -152,6 +159,17 @@ class NativeBackend(Backend):
                 seen.add(p.data_ptr())
                 total += p.numel() * p.element_size()
         return total
+
+    def _transformers(self) -> list[Transformer]:
+        """The target and every draft model of this job's drafter (inside a combined or adaptive one too)."""
+        found, todo = [self.model], [self.drafter]
+        while todo:
+            d = todo.pop()
+            if isinstance(getattr(d, "model", None), Transformer) and d.model not in found:
+                found.append(d.model)
+            todo += [getattr(d, "neural", None), getattr(d, "ngram", None), *getattr(d, "subs", [])]
+            todo = [t for t in todo if t is not None]
+        return found
 
     def _weights(self):
         """Every matrix the target and the drafter multiply by (tune() takes each shape once)."""
@@ -323,7 +341,8 @@ class NativeBackend(Backend):
     def describe(self) -> dict:
         d = {"engine": "specsweep-native", "torch": torch.__version__, "dtype": self.cfg.dtype, "device": self.cfg.device,
              "threads": torch.get_num_threads(), "model_arch": self.args.arch, "model_resolved": str(self.resolved),
-             "drafter": getattr(self.drafter, "label", "none")}
+             "drafter": getattr(self.drafter, "label", "none"),
+             "compile": self.cfg.compile or "eager"}  # how the decode/verify steps ran (prefill is always eager)
         if self.cfg.device.startswith("cuda"):
             d["gpu"] = torch.cuda.get_device_name(self.cfg.device)
         else:

@@ -17,6 +17,11 @@ from torch import Tensor, nn
 from . import kernels
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+# torch.compile modes a compiled decode/verify step may run in (backend.compile); "reduce-overhead"
+# replays CUDA graphs, as gpt-fast's decode does
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILED_MAX_T = 32  # decode and verify shapes; a prefill (as long as its prompt) runs eager
+KV_BUCKET = 128  # a compiled step reads the cache in steps of this many positions: few CUDA graphs, not one a length
 
 
 @dataclass
@@ -62,7 +67,7 @@ class ModelArgs:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T (+ bias). On CPU through the product kernels.tune() measured fastest on this
     machine for this weight's shape and this many rows (F.linear until tuned); on CUDA F.linear."""
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():  # a compiled step: the compiler picks the product
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -137,10 +142,18 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor, kv_len: int):
-        # rows: [B, 1], pos: [B, T], k/v: [B, T, n_kv, D]
+    def update(self, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor, kv_len: int, prefix: bool | None = None):
+        """Write the new positions' k/v, return each row's first kv_len positions. rows: [B, 1],
+        pos: [B, T], k/v: [B, T, n_kv, D]. prefix: the rows are slots 0..B-1 (a view, no copy);
+        None decides it from the rows (eager), a compiled step is told (no data-dependent branch)."""
         self.k[rows, pos] = k
         self.v[rows, pos] = v
+        if prefix is not None:
+            n = rows.shape[0]
+            if prefix:
+                return self.k[:n, :kv_len], self.v[:n, :kv_len]
+            r = rows[:, 0]
+            return self.k[r, :kv_len], self.v[r, :kv_len]
         r = rows[:, 0]
         first, n = int(r[0]), len(r)
         if int(r[-1]) - first == n - 1 and (n == 1 or bool((r[1:] - r[:-1] == 1).all())):
@@ -176,11 +189,11 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
         return q, k, v
 
-    def forward(self, x, cache, rows, pos, cos, sin, mask, kv_len):
+    def forward(self, x, cache, rows, pos, cos, sin, mask, kv_len, prefix=None):
         a = self.args
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        keys, values = cache.update(rows, pos, k, v, kv_len)
+        keys, values = cache.update(rows, pos, k, v, kv_len, prefix)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, n_kv, L, D]
         y = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=a.query_scale, enable_gqa=a.n_heads != a.n_kv_heads
@@ -213,9 +226,9 @@ class Block(nn.Module):
             self.post_attn_norm = RMSNorm(args.dim, args.norm_eps)
             self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cache, rows, pos, rope, masks, kv_len):
+    def forward(self, x, cache, rows, pos, rope, masks, kv_len, prefix=None):
         cos, sin = rope[self.sliding]
-        h = self.attn(self.attn_norm(x), cache, rows, pos, cos, sin, masks[self.sliding], kv_len)
+        h = self.attn(self.attn_norm(x), cache, rows, pos, cos, sin, masks[self.sliding], kv_len, prefix)
         x = x + (self.post_attn_norm(h) if self.sandwich else h)
         h = self.ffn(self.ffn_norm(x))
         return x + (self.post_ffn_norm(h) if self.sandwich else h)
@@ -235,6 +248,9 @@ class Transformer(nn.Module):
         # (sharing their weights) keeps a cache of its own.
         self.caches: list[KVCache] = []
         self.max_batch = self.max_len = 0
+        self.compile_mode: str | None = None
+        self.compiled_step = None  # torch.compile of static_step, while compile_mode is set
+        self._compiled: dict[str, object] = {}  # by mode: switching back does not compile again
 
     def truncated(self, n_layers: int) -> "Transformer":
         """A model made of this one's first n_layers, its final norm and output head, sharing the
@@ -269,6 +285,43 @@ class Transformer(nn.Module):
         self.max_batch, self.max_len = max_batch, max_len
         a = self.args
         self.caches = [KVCache(max_batch, max_len, a.n_kv_heads, a.head_dim, p.dtype, p.device) for _ in self.layers]
+        if self.compile_mode:
+            self._mark_static()
+
+    def compile_steps(self, mode: str | None) -> None:
+        """Run the decode and verify forwards (at most COMPILED_MAX_T new tokens a row, every layer,
+        the full vocabulary, no captured features) through torch.compile of static_step, gpt-fast
+        style. Shapes are symbolic (dynamic=True): torch compiles apart only one row or several, one
+        token or several, rows a prefix of the slots or not, so a sweep compiles a handful of graphs,
+        not one per batch size and draft length (measured: tens of seconds each on a 2-core CPU).
+        With "reduce-overhead" CUDA graphs are recorded per concrete shape over a cache at fixed
+        addresses. Prefill and the calls that skip layers, capture features or cut the vocabulary
+        stay eager, writing the same cache. None: every forward eager again."""
+        if mode is not None and mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode {mode!r} is not valid; use null (eager) or one of {', '.join(COMPILE_MODES)}")
+        self.compile_mode = mode
+        if mode is None:
+            self.compiled_step = None
+            return
+        import torch._dynamo
+
+        cfg = torch._dynamo.config  # a model and its truncated drafts share layers: room for all their graphs
+        for name, floor in (("recompile_limit", 1024), ("cache_size_limit", 1024), ("accumulated_recompile_limit", 8192),
+                            ("accumulated_cache_size_limit", 8192)):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), floor))
+        if mode not in self._compiled:
+            self._compiled[mode] = torch.compile(self.static_step, mode=mode, dynamic=True, fullgraph=True)
+        self.compiled_step = self._compiled[mode]
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        # CUDA graphs replay fixed addresses: the cache, written in place by every step, is one of them
+        import torch._dynamo
+
+        for c in self.caches:
+            torch._dynamo.mark_static_address(c.k)
+            torch._dynamo.mark_static_address(c.v)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)
@@ -282,6 +335,36 @@ class Transformer(nn.Module):
         logits = linear(x, w)
         cap = self.args.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _rope_and_masks(self, pos: Tensor, kv_len: int, dt):
+        a = self.args
+        rope = {False: rope_cos_sin(pos, self.inv_freq, dt), True: rope_cos_sin(pos, self.inv_freq_local, dt)}
+        full = causal_mask(pos, kv_len)
+        return rope, {False: full, True: causal_mask(pos, kv_len, a.sliding_window) if a.sliding_window else full}
+
+    def static_step(self, tokens: Tensor, pos: Tensor, rows: Tensor, kv_len: int, prefix: bool) -> Tensor:
+        """The full model over [B, T] new tokens, logits at every position ([B * T, V]), with
+        nothing decided from the tensors' values: kv_len (a KV_BUCKET multiple) and prefix (rows
+        are slots 0..B-1) come from the caller. What compile_steps compiles."""
+        B, T = tokens.shape
+        x = self.embed_tokens(tokens)
+        rope, masks = self._rope_and_masks(pos, kv_len, x.dtype)
+        rows2 = rows[:, None]
+        for i in range(self.args.n_layers):
+            x = self.layers[i](x, self.caches[i], rows2, pos, rope, masks, kv_len, prefix)
+        return self.head_logits(self.norm(x).reshape(B * T, -1))
+
+    def _compiled_forward(self, tokens, pos, rows, logits_for, kv_len):
+        B, T = tokens.shape
+        r = rows.tolist()
+        bucket = min(self.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)  # slots past a row's position are masked
+        graphs = self.compile_mode in ("reduce-overhead", "max-autotune") and tokens.device.type == "cuda"
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.compiled_step(tokens, pos, rows, bucket, r == list(range(B)))
+        if graphs:
+            logits = logits.clone()  # the graph's next replay overwrites its output
+        return logits.view(B, T, -1) if logits_for is None else logits[logits_for.reshape(-1)]
 
     def forward(
         self,
@@ -303,16 +386,16 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if rows is None:
             rows = torch.arange(B, device=tokens.device)
-        rows2 = rows[:, None]
         kv_len = int(pos.max()) + 1
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({self.max_len} slots)")
+        if (self.compiled_step is not None and T <= COMPILED_MAX_T and layers is None and capture is None
+                and vocab_limit is None and not return_hidden):
+            return self._compiled_forward(tokens, pos, rows, logits_for, kv_len)
+        rows2 = rows[:, None]
         a = self.args
         x = self.embed_tokens(tokens)
-        dt = x.dtype
-        rope = {False: rope_cos_sin(pos, self.inv_freq, dt), True: rope_cos_sin(pos, self.inv_freq_local, dt)}
-        full = causal_mask(pos, kv_len)
-        masks = {False: full, True: causal_mask(pos, kv_len, a.sliding_window) if a.sliding_window else full}
+        rope, masks = self._rope_and_masks(pos, kv_len, x.dtype)
         taps = {}
         for i in range(a.n_layers) if layers is None else layers:
             taps[i] = x

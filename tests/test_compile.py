@@ -1,0 +1,85 @@
+"""backend.compile: the native engine's decode and verify steps through torch.compile (gpt-fast
+style; model.Transformer.compile_steps), checked on CPU against the eager forward on a tiny
+random-weight Llama built here. The CUDA-graph mode ("reduce-overhead") is the GPU script's
+(benchmarks/gpu_validation.py); on CPU inductor compiles the same static step."""
+import pytest
+import torch
+
+from backends.native import NativeBackend
+from backends.native.drafters import ModelDrafter, NgramDrafter
+from backends.native.engine import generate
+from backends.native.loading import load_model
+from backends.native.sampling import SamplingParams
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def tiny(tiny_llama):
+    model, tok, _, _ = load_model(str(tiny_llama))
+    yield model, tok
+    model.compile_steps(None)
+
+
+@pytest.mark.slow
+def test_compiled_steps_generate_the_eager_tokens_for_the_baseline_and_drafters(tiny):
+    model, tok = tiny
+    prompts = [tok.encode(t).ids for t in PROMPTS]
+    sp = SamplingParams()
+    with torch.inference_mode():
+        eager, _, _ = generate(model, prompts, 24, sp, record_margins=True)
+        before = _graphs()
+        model.compile_steps("default")
+        base, _, _ = generate(model, prompts, 24, sp, record_margins=True)
+        assert _graphs() > before  # the compiled step ran, not a silent eager fallback
+        ngram, cycles, _ = generate(model, prompts, 24, sp, drafter=NgramDrafter(4))
+        draft = model.truncated(2)
+        draft.compile_steps("default")
+        drafted, dcycles, _ = generate(model, prompts, 24, sp, drafter=ModelDrafter(draft, 3, "first 2 layers"))
+    want = [r.tokens for r in eager]
+    assert [r.tokens for r in base] == want and [r.tokens for r in ngram] == want and [r.tokens for r in drafted] == want
+    assert sum(c["drafted"] for c in cycles) > 0 and sum(c["accepted"] for c in dcycles) > 0
+    # the same logits up to float reordering: the top-2 margins agree far below any decision
+    assert max(abs(a - b) for e, c in zip(eager, base) for a, b in zip(e.margins, c.margins)) < 1e-3
+
+
+@pytest.mark.slow
+def test_a_compiled_verify_over_scattered_slots_equals_the_eager_one(tiny):
+    """Under load the rows of a verify are any slots of the cache in any order (the continuous
+    scheduler's), and the compiled step reads the cache in KV_BUCKET steps past the rows' lengths:
+    the logits equal the eager forward's over the same cache."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    model.setup_cache(4, 200)
+    with torch.inference_mode():
+        for slot, n in ((0, 30), (1, 7), (2, 51), (3, 12)):  # each slot its own prompt length
+            toks = torch.randint(0, 500, (1, n))
+            model(toks, torch.arange(n)[None], rows=torch.tensor([slot]))
+        rows = torch.tensor([2, 0, 3])
+        lens = torch.tensor([51, 30, 12])
+        toks = torch.randint(0, 500, (3, 4))
+        pos = lens[:, None] + torch.arange(4)
+        need = torch.tensor([[True] * 4, [True, True, False, False], [True] * 3 + [False]])
+        eager = model(toks, pos, rows=rows, logits_for=need)
+        model.compile_steps("default")
+        compiled = model(toks, pos, rows=rows, logits_for=need)
+    assert compiled.shape == eager.shape == (int(need.sum()), model.args.vocab_size)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_the_backend_sets_the_shared_model_as_each_job_asks_and_refuses_a_bad_mode(tiny_llama):
+    with pytest.raises(ValueError, match=r"backend.compile='fast' is not valid; use null \(eager\) or one of default, "
+                                         "reduce-overhead"):
+        NativeBackend.check_config({"compile": "fast"}, {"path": str(tiny_llama)}, {"name": "ngram"}, 3)
+    on = NativeBackend({"path": str(tiny_llama)}, {"name": "draft_model", "draft_layers": 2}, compile="default")
+    assert on.model.compile_mode == "default" and on.drafter.model.compile_mode == "default"
+    assert on.describe()["compile"] == "default"
+    off = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"})  # the same loaded model, next job
+    assert off.model is on.model and off.model.compile_mode is None and off.describe()["compile"] == "eager"
