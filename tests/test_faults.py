@@ -178,7 +178,7 @@ def test_a_mistyped_backend_key_is_refused_with_the_valid_ones(tmp_path, tiny_ll
     r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "model=local", f"model.path={tiny_llama}",
             "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1", "+backend.dtpye=bfloat16", timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "backend.dtpye is not a setting of backend native; valid: dtype, device, threads, trace" in r.stderr
+    assert "backend.dtpye is not a setting of backend native; valid: dtype, device, threads, trace, compile" in r.stderr
 
 
 def test_a_mistyped_method_key_is_refused_for_every_job_before_anything_runs(tmp_path, tiny_llama):
