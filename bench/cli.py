@@ -15,13 +15,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .config import ConfigError, register_configs
+from .summary import TABLE_COLUMNS
 
 log = logging.getLogger("specsweep")
 register_configs()
-
-TABLE_COLUMNS = ["backend", "method", "workload", "batch_size", "temperature", "status", "speedup", "acceptance_rate",
-                 "mean_acceptance_length", "tokens_per_forward", "verify_fraction", "draft_fraction",
-                 "baseline_roofline_share", "lossless"]
 
 
 def _progress_factory(name: str, total: int):

@@ -29,6 +29,7 @@ from pathlib import Path
 from dataclasses import asdict, fields
 
 from .results import JobKey, find_sweep_dirs, load_summaries, write_json
+from .summary import GATE_NUMERIC as NUMERIC, GATE_RECORDED as RECORDED
 
 FORMAT = "specsweep-gate-baseline"
 VERSION = 2  # 2: jobs keyed by the whole JobKey (version 1 left out seed, top_p, top_k, lengths)
@@ -36,8 +37,6 @@ ACCEPTANCE_METRICS = ("acceptance_rate", "mean_acceptance_length")
 # What a job of the baseline and one of the run may share and still be told apart by the rest of
 # the key: matching on these, the gate names the setting that differs instead of "missing".
 COARSE = ("backend", "model", "method", "workload", "batch_size", "temperature", "num_speculative_tokens")
-RECORDED = ("status", "lossless", "acceptance_rate", "mean_acceptance_length", "per_position_acceptance", "speedup",
-            "speedup_ci_low", "speedup_ci_high", "tokens_per_s", "baseline_tokens_per_s")
 
 
 class GateError(ValueError):
@@ -53,10 +52,6 @@ def job_key(row) -> str:
 
 def _num(v):
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
-
-NUMERIC = ("acceptance_rate", "mean_acceptance_length", "speedup", "speedup_ci_low", "speedup_ci_high", "tokens_per_s",
-           "baseline_tokens_per_s")
 
 
 def check_rows(df, sweep: Path) -> None:

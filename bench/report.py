@@ -21,12 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .results import find_sweep_dirs, load_summaries  # noqa: E402
+from .summary import REPORT_COLUMNS  # noqa: E402
 
-SUMMARY_COLUMNS = ["method", "workload", "batch_size", "temperature", "num_speculative_tokens", "status", "speedup",
-                   "speedup_ci_low", "speedup_ci_high", "predicted_speedup", "acceptance_rate", "mean_acceptance_length",
-                   "tokens_per_forward", "verify_fraction", "draft_fraction", "verify_cost_ratio", "draft_cost_ratio",
-                   "tokens_per_s", "baseline_tokens_per_s", "baseline_roofline_share", "baseline_drift", "lossless",
-                   "load_label"]
 SLOW_BASELINE = 0.5  # a baseline below half its roofline: its speedups may come from the slow baseline
 DRIFT_LIMIT = 0.10  # a shared baseline whose first batch, measured again, moved more than this
 
@@ -262,7 +258,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
              "Speedup is throughput with speculation over throughput of the same engine without it, on the same "
              "requests and batches (paired: batch by batch, interleaved; 95% cluster-bootstrap interval over the "
              "pairs). Every metric's definition, and which engine field it comes from: docs/metrics.md.", "",
-             markdown_table(d, SUMMARY_COLUMNS), ""]
+             markdown_table(d, REPORT_COLUMNS), ""]
     lines += load_markdown(df)
     lines += flags_markdown(df)
     from .recommend import markdown as rec_markdown, recommend

@@ -24,6 +24,7 @@ from .methods import forces_acceptance, split_method_keys
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
                       read_json, short_hash, write_manifest,
                       write_json, write_parquet, write_text)
+from .summary import checked_row
 
 log = logging.getLogger("specsweep")
 JOB_FILES = ("config.yaml", "summary.json", "requests.parquet", "cycles.parquet", "steps.parquet", "traceback.txt")
@@ -246,6 +247,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
                threads=(row.get("engine") or {}).get("threads"), engine_version=_engine_version(row.get("engine")),
                package_versions=env_start["packages"])
     row["env"] = env_start
+    row = checked_row(row)  # every column declared in bench/summary.py, in its order
     write_json(jdir / "summary.json", row)
     write_manifest(jdir, JOB_FILES)
     build_index(root)
