@@ -11,7 +11,9 @@ Measures, with the CPU model, thread count and load average recorded:
   3. n-gram speedup on code_edit at batch 1, against transformers' prompt_lookup_num_tokens on the
      same model (same GGUF, fp32) and prompts, and llama.cpp's plain decode (the same GGUF, Q4_K_M,
      through backend=llamacpp) in tokens/s;
-  4. tracing overhead (per-cycle trace on vs off).
+  4. tracing overhead (per-cycle trace on vs off);
+  5. with --compile MODE: the same decode step, r(n) and generation with the decode/verify steps
+     compiled (backend.compile=MODE: model.Transformer.compile_steps), interleaved with eager.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from backends.native import kernels  # noqa: E402
 from backends.native.drafters import NgramDrafter  # noqa: E402
 from backends.native.engine import generate  # noqa: E402
 from backends.native.loading import load_model  # noqa: E402
+from backends.native.model import COMPILE_MODES  # noqa: E402
 from backends.native.sampling import SamplingParams  # noqa: E402
 from bench.backend import Sampling  # noqa: E402
 from bench.environment import load_average, read_bandwidth_gbs  # noqa: E402
@@ -52,17 +55,26 @@ def weight_bytes(model) -> int:
 
 
 @torch.inference_mode()
-def forward_times(model, ids, ns, rounds=9):
+def forward_times(model, ids, ns, rounds=9, modes=(None,)):
+    """Median seconds of a forward over n new tokens after len(ids) cached ones, per compile mode
+    (None: eager), interleaved over modes and n. Returns {mode: {n: s}}."""
     model.setup_cache(1, len(ids) + 16)
     n0 = len(ids)
     model(torch.tensor([ids]), torch.arange(n0)[None], logits_for=torch.zeros(1, n0, dtype=torch.bool))
-    times = {n: [] for n in ns}
-    for _ in range(rounds):  # interleaved over n
+    for m in modes:  # compile (and warm) each mode's graphs before anything is timed
+        model.compile_steps(m)
         for n in ns:
-            t = time.perf_counter()
             model(torch.tensor([ids[:n]]), torch.arange(n0, n0 + n)[None])
-            times[n].append(time.perf_counter() - t)
-    return {n: med(v) for n, v in times.items()}
+    times = {m: {n: [] for n in ns} for m in modes}
+    for _ in range(rounds):
+        for m in modes:
+            model.compile_steps(m)
+            for n in ns:
+                t = time.perf_counter()
+                model(torch.tensor([ids[:n]]), torch.arange(n0, n0 + n)[None])
+                times[m][n].append(time.perf_counter() - t)
+    model.compile_steps(None)
+    return {m: {n: med(v) for n, v in per.items()} for m, per in times.items()}
 
 
 def main():
@@ -74,8 +86,12 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--compile", default=None, help="also time the steps compiled in this torch.compile mode "
+                    "(backend.compile: default, reduce-overhead, ...)")
     ap.add_argument("--out", default="benchmarks/native_speed.json")
     a = ap.parse_args()
+    if a.compile is not None and a.compile not in COMPILE_MODES:
+        ap.error(f"--compile {a.compile!r} is not a mode; use one of {', '.join(COMPILE_MODES)}")
     torch.set_num_threads(a.threads)
     res = {"cpu": cpu_identity()["cpu"], "threads": torch.get_num_threads(), "loadavg_start": load_average(),
            "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
@@ -87,8 +103,18 @@ def main():
     wb = weight_bytes(model)
     prompts = [tok.encode(p.text).ids for p in load_prompts("code_edit", a.prompts, seed=0)]
     long_ids = prompts[0] * 3
-    ft = forward_times(model, long_ids[:300], list(range(1, 10)))
+    t = time.perf_counter()
+    by_mode = forward_times(model, long_ids[:300], list(range(1, 10)), modes=(None, a.compile) if a.compile else (None,))
+    ft = by_mode[None]
     roofline_ms = wb / (bw * 1e9) * 1e3
+    if a.compile:
+        fc = by_mode[a.compile]
+        res["compiled"] = {"mode": a.compile, "decode_ms": fc[1] * 1e3, "roofline_share": roofline_ms / (fc[1] * 1e3),
+                           "verify_cost_ratio": {n: fc[n] / fc[1] for n in fc},
+                           "compile_and_time_s": time.perf_counter() - t}
+        print(f"compiled ({a.compile}): decode {fc[1] * 1e3:.1f} ms/step ({100 * res['compiled']['roofline_share']:.0f}% of "
+              f"roofline) against eager {ft[1] * 1e3:.1f}; r(n): " + ", ".join(f"{n}:{v:.2f}" for n, v in
+                                                                          res["compiled"]["verify_cost_ratio"].items()), flush=True)
     res.update(read_bandwidth_gbs=bw, weight_bytes=wb, roofline_ms=roofline_ms, decode_ms=ft[1] * 1e3,
                roofline_share=roofline_ms / (ft[1] * 1e3), verify_cost_ratio={n: ft[n] / ft[1] for n in ft})
     print(f"{res['cpu']}: bandwidth {bw:.1f} GB/s, weights {wb / 1e9:.3f} GB -> roofline {roofline_ms:.1f} ms; decode "
@@ -103,7 +129,8 @@ def main():
     sp = SamplingParams()
     eos = tuple(args.eos_token_ids)
 
-    def ours(drafter, trace=True):
+    def ours(drafter, trace=True, compile_mode=None):
+        model.compile_steps(compile_mode)
         toks, wall = 0, 0.0
         for p in prompts:
             out, _, w = generate(model, [p], a.max_new_tokens, sp, drafter=drafter, eos_ids=eos, trace=trace)
@@ -142,11 +169,17 @@ def main():
     if lcpp is not None:
         runs.update(llamacpp_baseline=[])
         llamacpp_baseline()  # warm-up
+    if a.compile:
+        runs.update(native_baseline_compiled=[], native_ngram_compiled=[])
+        ours(None, compile_mode=a.compile), ours(NgramDrafter(a.k), compile_mode=a.compile)  # compile, warm up
     ours(None), ours(NgramDrafter(a.k))  # warm-up
     for r in range(a.repeats):  # interleaved: every configuration once per round
         runs["native_baseline"].append(ours(None))
         runs["native_ngram"].append(ours(NgramDrafter(a.k)))
         runs["native_ngram_untraced"].append(ours(NgramDrafter(a.k), trace=False))
+        if a.compile:
+            runs["native_baseline_compiled"].append(ours(None, compile_mode=a.compile))
+            runs["native_ngram_compiled"].append(ours(NgramDrafter(a.k), compile_mode=a.compile))
         if ref is not None:
             runs["transformers_baseline"].append(theirs(False))
             runs["transformers_prompt_lookup"].append(theirs(True))
@@ -157,6 +190,9 @@ def main():
     res["tokens_per_s"] = tps
     res["native_ngram_speedup"] = tps["native_ngram"] / tps["native_baseline"]
     res["tracing_overhead"] = tps["native_ngram_untraced"] / tps["native_ngram"] - 1
+    if a.compile:
+        res["compiled"].update(baseline_over_eager=tps["native_baseline_compiled"] / tps["native_baseline"],
+                               ngram_speedup=tps["native_ngram_compiled"] / tps["native_baseline_compiled"])
     if ref is not None:
         res["transformers_prompt_lookup_speedup"] = tps["transformers_prompt_lookup"] / tps["transformers_baseline"]
         res["native_ngram_over_transformers_prompt_lookup"] = tps["native_ngram"] / tps["transformers_prompt_lookup"]
