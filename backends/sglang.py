@@ -36,10 +36,11 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from bench.backend import Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds
+from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds,
+                           reject_unknown)
 
 from .processes import Pool, ServerProcess, Worker, cli_flags
 from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, sglang_output,
@@ -144,6 +145,14 @@ class SGLangBackend(Backend):
     ttft_source, emit_granularity = "engine", "none"  # meta_info first_token_latency; results are not streamed
     supported_methods = METHODS
     server = False
+
+    @classmethod
+    def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
+        from backends.native.loading import resolve_model_path  # the GGUF or folder export_hf_folder reads
+
+        reject_unknown(settings, [f.name for f in fields(SGLangConfig)], cls.name)
+        SGLangConfig(**settings)
+        resolve_model_path(str(model["path"]))
 
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str]:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SettingError, SpecCounters,
-                           check_positive_seconds)
+                           check_positive_seconds, reject_unknown)
 from bench.methods import synthetic_rates
 
 from .processes import Pool, Worker
@@ -128,6 +128,14 @@ class VLLMBackend(Backend):
     # RequestOutput metrics: first_token_latency (engine-side); first and last token times only
     ttft_source, emit_granularity = "engine", "none"
     supported_methods = METHODS
+
+    @classmethod
+    def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
+        from backends.native.loading import resolve_model_path  # the GGUF or folder export_hf_folder reads
+
+        reject_unknown(settings, [f.name for f in fields(VLLMConfig)], cls.name)
+        VLLMConfig(**settings)
+        resolve_model_path(str(model["path"]))
 
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str]:

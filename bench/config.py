@@ -1,7 +1,8 @@
 """Structured configs (Hydra ConfigStore) and the validation run before any model loads."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -73,9 +74,24 @@ class ConfigError(ValueError):
     pass
 
 
+def unknown_key_problems(cfg) -> list[str]:
+    """Keys nobody reads, at the top and in model: a typo, or a `+key=` Hydra suggested. Refused
+    with a near match and the valid keys, never dropped. (Backends check their own settings in
+    check_config, methods against conf/method, workloads against their functions' parameters.)"""
+    out = []
+    for where, given, valid in (("", cfg.keys(), [f.name for f in fields(SweepConfig)]),
+                                ("model.", (cfg.get("model") or {}).keys(), [f.name for f in fields(ModelConfig)])):
+        for key in given:
+            if key not in valid:
+                near = difflib.get_close_matches(str(key), valid, n=1)
+                out.append(f"{where}{key} is not a setting{f' (did you mean {where}{near[0]}?)' if near else ''}; "
+                           f"valid: {', '.join(where + v for v in valid)}")
+    return out
+
+
 def validate(cfg) -> None:
     """Raise ConfigError naming the bad value and what is allowed."""
-    problems = []
+    problems = unknown_key_problems(cfg)
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size}: use 1 or more")
     if cfg.temperature < 0:

@@ -167,7 +167,7 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
     for key in sorted(set(now) - set(baseline["jobs"])):
         r = now[key]
         if r.get("status") in ("error", "timeout"):  # a failed job fails the gate, recorded or not
-            rows.append((key, "status", "-", "error", str(r.get("error"))[:80], "FAIL"))
+            rows.append((key, "status", "-", r.get("status"), str(r.get("error"))[:80], "FAIL"))
             failed = True
         else:
             rows.append((key, "job", "-", r.get("status"), "", "new"))

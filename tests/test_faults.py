@@ -6,6 +6,7 @@ import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,9 +14,10 @@ from bench.gate import main as gate
 from bench.results import FILE_MODE, is_complete, write_json, write_manifest
 
 
-def run(*cmd, timeout=120):
+def run(*cmd, timeout=120, umask=None):
     return subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
 
 
 def _trace_file(tmp_path, **over):
@@ -122,6 +124,58 @@ def test_result_files_get_the_users_umask(tmp_path):
     assert mode == FILE_MODE and mode & stat.S_IRGRP  # group-readable under the usual umask 022
 
 
+def test_a_job_folder_taken_by_a_file_is_refused_with_its_path(tmp_path):
+    from bench.config import ConfigError
+    from bench.runner import check_results_dir
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "job-1").write_text("someone's notes")
+    with pytest.raises(ConfigError, match=f"results folder {tmp_path / 's' / 'job-1'} is a file, not a folder"):
+        check_results_dir(tmp_path / "s", "job-1")
+
+
+def test_a_results_dir_the_user_cannot_write_is_refused():
+    """As an unprivileged user (root may write anywhere): a forked child drops to uid/gid 65534 and
+    checks a folder it may read but not write."""
+    import tempfile
+
+    from bench.config import ConfigError
+    from bench.runner import check_results_dir
+
+    top = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        ro = top / "shared"
+        ro.mkdir()
+        os.chmod(top, 0o755)
+        os.chmod(ro, 0o555)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            os.close(r)
+            msg = "no error"
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                check_results_dir(ro / "results" / "sweep", "job")
+            except ConfigError as e:
+                msg = str(e)
+            except BaseException as e:  # noqa: BLE001
+                msg = f"{type(e).__name__}: {e}"
+            os.write(w, msg.encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            msg = f.read()
+        os.waitpid(pid, 0)
+        assert msg == (f"results_dir: cannot write under {ro} (no write permission); choose a results_dir you can "
+                       "write to"), msg
+    finally:
+        os.chmod(top / "shared", 0o755)
+        import shutil
+
+        shutil.rmtree(top)
+
+
 def test_a_results_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
     f = tmp_path / "results"
     f.write_text("not a folder")
@@ -174,6 +228,36 @@ def test_a_text_file_named_gguf_names_the_file_and_leaves_no_cache_debris(tmp_pa
     assert not list((tmp_path / "cache").rglob("notes-*"))
 
 
+def test_mistyped_top_level_model_and_workload_keys_are_refused_with_the_valid_ones(tmp_path):
+    """The keys Hydra's `+key=` hint lets through: refused before anything runs, each with a near
+    match and the valid keys (a workload's knob of another workload is passed, as a sweep over
+    workloads needs; a knob of no workload is a typo)."""
+    r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "method=ngram", "workload=code_edit", "batch_size=1",
+            "+num_promts=2", "+model.revison=main", "+workload.max_line=9", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "num_promts is not a setting (did you mean num_prompts?); valid: backend, model, method" in r.stderr
+    assert "model.revison is not a setting; valid: model.name, model.path" in r.stderr
+    assert not list(tmp_path.rglob("summary.json")) and "Traceback" not in r.stderr
+    r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "method=ngram", "workload=code_edit", "batch_size=1",
+            "+workload.max_line=9", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert ("workload.max_line is not a setting of any workload (did you mean workload.max_lines?); valid for "
+            "code_edit: min_lines, max_lines") in r.stderr
+
+
+@pytest.mark.parametrize("target", ["backends.vllm.VLLMBackend", "backends.vllm_server.VLLMServerBackend",
+                                    "backends.sglang.SGLangBackend", "backends.sglang.SGLangServerBackend"])
+def test_vllm_and_sglang_settings_and_model_path_are_checked_before_an_engine_starts(target):
+    from hydra.utils import get_class
+
+    cls = get_class(target)
+    with pytest.raises(ValueError, match=f"backend.max_num_seq is not a setting of backend {cls.name}; valid: python, dtype"):
+        cls.check_config({"max_num_seq": 4}, {"path": "gemma3-270m"}, {"name": "ngram"}, 3)
+    with pytest.raises(FileNotFoundError, match="model path '/nowhere/m.gguf' does not exist"):
+        cls.check_config({}, {"path": "/nowhere/m.gguf"}, {"name": "ngram"}, 3)
+    cls.check_config({"dtype": "float32"}, {"path": "gemma3-270m"}, {"name": "ngram"}, 3)  # valid: no error
+
+
 def test_a_mistyped_backend_key_is_refused_with_the_valid_ones(tmp_path, tiny_llama):
     r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=t", "model=local", f"model.path={tiny_llama}",
             "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1", "+backend.dtpye=bfloat16", timeout=300)
@@ -213,6 +297,23 @@ def _tiny_sweep(tmp_path, tiny_llama, *extra, method="ngram"):
     return run("bench.cli", f"results_dir={tmp_path}", "sweep_name=m", "model=local", f"model.path={tiny_llama}",
                f"method={method}", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=6", "repeats=1",
                "report=false", *extra, timeout=600)
+
+
+def test_a_sweep_writes_with_the_users_umask_and_a_same_size_change_is_caught_by_the_hash(tmp_path, tiny_llama):
+    """A sweep run under umask 007 (a group-shared file system) writes every result file 0660; a
+    byte flipped in place (same size) fails the manifest's hash and the job runs again."""
+    r = run("bench.cli", f"results_dir={tmp_path}", "sweep_name=m", "model=local", f"model.path={tiny_llama}",
+            "method=ngram", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=6", "repeats=1",
+            "report=false", timeout=600, umask=0o007)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (job,) = [p.parent for p in (tmp_path / "m").glob("*/summary.json")]
+    files = [p for p in job.iterdir() if p.is_file()] + [tmp_path / "m" / "index.parquet"]
+    assert len(files) >= 5 and {oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {"0o660"}
+    data = bytearray((job / "cycles.parquet").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (job / "cycles.parquet").write_bytes(bytes(data))
+    r = _tiny_sweep(tmp_path, tiny_llama)
+    assert r.returncode == 0 and "cycles.parquet changed or is truncated" in r.stderr + r.stdout
 
 
 def test_a_truncated_result_file_makes_its_job_run_again(tmp_path, tiny_llama):

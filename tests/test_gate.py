@@ -100,3 +100,24 @@ def test_malformed_or_mismatched_baseline_is_a_clear_error(tmp_path, baseline, c
     assert gate([str(unrelated), "--baseline", str(baseline)]) == 2
     assert "no job in common" in capsys.readouterr().err
     assert gate([str(run), "--baseline", str(baseline), "--tolerance", "speed=0.1"]) == 2
+
+
+@pytest.mark.parametrize("status", ["error", "timeout"])
+def test_a_failed_job_the_baseline_never_recorded_fails_the_gate(tmp_path, baseline, capsys, status):
+    run = _sweep(tmp_path, "now", [_job(), _job(batch=2), _job(method="draft_model", status=status, error="boom")])
+    assert gate([str(run), "--baseline", str(baseline)]) == 1
+    out = capsys.readouterr().out
+    assert f"| - | {status} | boom | FAIL |" in out
+    ok = _sweep(tmp_path, "ok", [_job(), _job(batch=2), _job(method="draft_model")])  # the same job, ok: only new
+    assert gate([str(ok), "--baseline", str(baseline)]) == 0
+    assert "| new |" in capsys.readouterr().out
+
+
+def test_a_bad_value_in_a_baseline_is_exit_2_with_the_file_and_key(tmp_path, baseline, capsys):
+    b = json.loads(baseline.read_text())
+    key = sorted(b["jobs"])[0]
+    b["jobs"][key]["metrics"]["speedup"] = "fast"
+    baseline.write_text(json.dumps(b))
+    assert gate([str(_sweep(tmp_path, "now", [_job(), _job(batch=2)])), "--baseline", str(baseline)]) == 2
+    err = capsys.readouterr().err
+    assert f"baseline {baseline}: job {key!r}: metrics.speedup = 'fast' is not a number" in err

@@ -22,9 +22,9 @@ import ray  # noqa: F401
 from procs import alive, cmdline, descendants  # tests/procs.py
 
 
-def _args(tmp_path, tiny_llama, name, *extra):
+def _args(tmp_path, tiny_llama, name, *extra, methods="ngram,draft_model"):
     return [sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", f"sweep_name={name}", "hydra/launcher=submitit_local",
-            "hydra.launcher.timeout_min=15", "model=local", f"model.path={tiny_llama}", "method=ngram,draft_model",
+            "hydra.launcher.timeout_min=15", "model=local", f"model.path={tiny_llama}", f"method={methods}",
             "++method.draft_layers=1", "workload=chat", "baseline=shared", "num_prompts=2", "repeats=1", "report=false",
             *extra]
 
@@ -41,7 +41,8 @@ def test_submitit_runs_the_sweep_in_worker_processes_into_one_folder(tmp_path, t
     rows = _rows(sweep)
     assert len(rows) == 4 and {x["status"] for x in rows} == {"ok"}
     assert len(pd.read_parquet(sweep / "index.parquet")) == 4  # the index holds every job
-    assert os.getpid() not in {x["env"]["pid"] for x in rows}  # jobs ran in submitit's processes
+    pids = {x["env"]["pid"] for x in rows}
+    assert len(pids) >= 2 and os.getpid() not in pids  # jobs ran in submitit's processes, several of them
     # one shared baseline per batch size, measured once and reused by the other method
     assert sorted(x["baseline_from"].split(" (")[1] for x in rows) == ["measured here)"] * 2 + ["reused)"] * 2
     assert len(list((sweep / "baselines").iterdir())) == 2
@@ -52,27 +53,58 @@ def _job_processes() -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_completes(tmp_path, tiny_llama):
-    args = _args(tmp_path, tiny_llama, "k", "batch_size=1", "max_new_tokens=200", "hydra.launcher.tasks_per_node=1")
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    sweep = tmp_path / "k"
-    deadline = time.time() + 300
-    while time.time() < deadline and not list(sweep.glob("*/config.yaml")):
-        time.sleep(0.2)
-    time.sleep(1.0)  # the job is measuring
-    victims = _job_processes()
-    assert victims, "no submitit job process was seen"
-    os.kill(victims[0], signal.SIGKILL)
-    p.wait(timeout=900)
-    done = [x for x in _rows(sweep) if x["status"] == "ok"]
-    assert len(done) < 2  # the killed job did not complete
+def _files(job: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(job.iterdir()) if p.is_file()}
+
+
+def _one_job_running(find, timeout_s: float = 120) -> list[int]:
+    """Wait until exactly one job process is left (the completed job's process has exited)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        procs = find()
+        if len(procs) == 1:
+            return procs
+        time.sleep(0.1)
+    return find()
+
+
+def _completed_first(args_for, sweep: Path, env) -> tuple[Path, dict]:
+    """ngram's job run alone first: the completed job a killed sweep must leave as it was."""
+    r = subprocess.run(args_for("ngram"), capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (job,) = [p.parent for p in sweep.glob("*/summary.json")]
+    return job, _files(job)
+
+
+def _check_intact_and_rerun(args, sweep: Path, done_job: Path, done_files: dict, env) -> None:
+    rows = {x["method"]: x for x in _rows(sweep)}
+    assert rows["ngram"]["status"] == "ok" and _files(done_job) == done_files  # the completed job, untouched
+    assert rows.get("draft_model", {}).get("status") != "ok"  # the killed job did not complete
     assert not list(sweep.rglob("*.tmp"))  # nothing half-written taken as a file
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(sweep)
     assert len(rows) == 2 and {x["status"] for x in rows} == {"ok"}
     assert len(pd.read_parquet(sweep / "index.parquet")) == 2
+    assert _files(done_job) == done_files  # skipped by the rerun, not measured again
+
+
+def test_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_completes(tmp_path, tiny_llama):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    sweep = tmp_path / "k"
+    args_for = lambda methods: _args(tmp_path, tiny_llama, "k", "batch_size=1", "max_new_tokens=200",  # noqa: E731
+                                     "hydra.launcher.tasks_per_node=1", methods=methods)
+    done_job, done_files = _completed_first(args_for, sweep, env)
+    args = args_for("ngram,draft_model")
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(sweep.glob("*draft_model*/config.yaml")):
+        time.sleep(0.2)
+    victims = _one_job_running(_job_processes)  # ngram's job finds itself complete and exits
+    assert len(victims) == 1, f"expected draft_model's job process alone, saw {victims}"
+    os.kill(victims[0], signal.SIGKILL)
+    p.wait(timeout=900)
+    _check_intact_and_rerun(args, sweep, done_job, done_files, env)
 
 
 # ------------------------------------------------------------------ Ray
@@ -81,7 +113,7 @@ RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # with 0, Ray takes 127.0.
            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
 
-def _ray_args(tmp_path, tiny_llama, name, ray_dir, *extra):
+def _ray_args(tmp_path, tiny_llama, name, ray_dir, *extra, methods="ngram,draft_model"):
     """A local Ray cluster, started by the launcher for the sweep and stopped with it: on
     127.0.0.1, two CPUs (two jobs at a time), a 75 MB object store, no dashboard, its session
     files in ray_dir (short: Ray's socket paths must fit in 107 characters)."""
@@ -89,7 +121,7 @@ def _ray_args(tmp_path, tiny_llama, name, ray_dir, *extra):
             "+hydra.launcher.ray.init.num_cpus=2", "+hydra.launcher.ray.init.include_dashboard=false",
             "+hydra.launcher.ray.init.object_store_memory=78643200",
             "+hydra.launcher.ray.init._node_ip_address=127.0.0.1", f"+hydra.launcher.ray.init._temp_dir={ray_dir}",
-            "model=local", f"model.path={tiny_llama}", "method=ngram,draft_model", "++method.draft_layers=1",
+            "model=local", f"model.path={tiny_llama}", f"method={methods}", "++method.draft_layers=1",
             "workload=chat", "baseline=shared", "num_prompts=2", "repeats=1", "report=false", *extra]
 
 
@@ -126,18 +158,20 @@ def test_ray_runs_the_sweep_on_two_workers_into_one_folder(tmp_path, tiny_llama,
 def test_ray_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_completes(tmp_path, tiny_llama, ray_dir):
     # max_retries=0: Ray would otherwise run a task whose worker died again (3 times by default),
     # which completes the sweep by itself; here the killed job must stay killed
-    args = _ray_args(tmp_path, tiny_llama, "k", ray_dir, "batch_size=1", "max_new_tokens=200",
-                     "+hydra.launcher.ray.remote.max_retries=0")
     env = dict(os.environ, **RAY_ENV)
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     sweep = tmp_path / "k"
+    args_for = lambda methods: _ray_args(tmp_path, tiny_llama, "k", ray_dir, "batch_size=1",  # noqa: E731
+                                         "max_new_tokens=200", "+hydra.launcher.ray.remote.max_retries=0", methods=methods)
+    done_job, done_files = _completed_first(args_for, sweep, env)
+    args = args_for("ngram,draft_model")
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and not list(sweep.glob("*/config.yaml")):
+        while time.time() < deadline and not list(sweep.glob("*draft_model*/config.yaml")):
             time.sleep(0.2)
-        time.sleep(1.0)  # the job is measuring
-        victims = [c for c in descendants(p.pid) if cmdline(c).startswith("ray::_run_job")]
-        assert victims, "no Ray worker running a job was seen"
+        # a Ray worker is named for its task while it runs one (ray::IDLE after)
+        victims = _one_job_running(lambda: [c for c in descendants(p.pid) if cmdline(c).startswith("ray::_run_job")])
+        assert len(victims) == 1, f"expected draft_model's Ray worker alone, saw {[cmdline(v) for v in victims]}"
         ray_processes = descendants(p.pid)
         os.kill(victims[0], signal.SIGKILL)
         p.wait(timeout=900)
@@ -145,15 +179,8 @@ def test_ray_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_complete
         if p.poll() is None:
             p.kill()
     assert p.returncode != 0  # the launcher says a job was lost
-    done = [x for x in _rows(sweep) if x["status"] == "ok"]
-    assert len(done) < 2  # the killed job did not complete
-    assert not list(sweep.rglob("*.tmp"))  # nothing half-written taken as a file
     deadline = time.time() + 30
     while time.time() < deadline and alive(ray_processes):
         time.sleep(0.5)
     assert not alive(ray_processes), [cmdline(x) for x in alive(ray_processes)]  # Ray stopped with the sweep
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = _rows(sweep)
-    assert len(rows) == 2 and {x["status"] for x in rows} == {"ok"}
-    assert len(pd.read_parquet(sweep / "index.parquet")) == 2
+    _check_intact_and_rerun(args, sweep, done_job, done_files, env)

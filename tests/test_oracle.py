@@ -239,3 +239,11 @@ def test_cost_model_verify_is_the_published_target_forward():
     assert np.allclose(cost.verify(kv, tokens), expected, rtol=1e-15, atol=0) and cost.verify(kv, tokens).shape == (2, 3)
     assert cost.prefill(512) == cost.verify(0, 512)  # no prefill model: a forward over the prompt
     assert UNIT.verify(123, 45) == 1.0
+
+
+def test_a_trace_built_around_the_checks_cannot_make_the_simulator_loop():
+    """load_traces refuses acc_len < 1; a Trace built by hand (the Python API) with one is refused by
+    the simulator at that cycle rather than simulated forever."""
+    t = Trace("hand", 3, list(range(6)), {"ngram": np.array([2, 1, 0, 1, 1, 1])})
+    with pytest.raises(ValueError, match="request hand, policy .*: a cycle at position 2 would emit 0 tokens"):
+        trajectory(t, Policy.parse("fixed:ngram:4"))

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import ast
+import difflib
 import gzip
+import inspect
 import json
 import random
 import sysconfig
@@ -261,9 +263,25 @@ def jsonl(num_prompts, seed, path=None, categories=None, **_):
 WORKLOADS = {f.__name__: f for f in (code_edit, code_gen, chat, summarization, translation, rag, math, jsonl)}
 
 
+def settings(name: str) -> list[str]:
+    """A workload's settings: its function's parameters besides num_prompts and seed."""
+    sig = inspect.signature(WORKLOADS[name])
+    return [p.name for p in sig.parameters.values()
+            if p.name not in ("num_prompts", "seed") and p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
 def load_prompts(name: str, num_prompts: int, seed: int, **params) -> list[Prompt]:
     if name not in WORKLOADS:
         raise WorkloadError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+    # A setting of another workload is passed by a sweep over several (each function ignores the
+    # others'); a setting of none is a typo, refused with the valid ones.
+    anyone = sorted({k for w in WORKLOADS for k in settings(w)})
+    for key in params:
+        if key not in anyone:
+            near = difflib.get_close_matches(key, anyone, n=1)
+            raise WorkloadError(f"workload.{key} is not a setting of any workload"
+                                f"{f' (did you mean workload.{near[0]}?)' if near else ''}; valid for {name}: "
+                                f"{', '.join(settings(name)) or 'none'}")
     if num_prompts < 1:
         raise WorkloadError(f"num_prompts={num_prompts} is not valid; use 1 or more")
     return WORKLOADS[name](num_prompts, seed, **params)
