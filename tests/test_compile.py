@@ -6,13 +6,11 @@ import pytest
 import torch
 
 from backends.native import NativeBackend
-from backends.native.drafters import ModelDrafter, NgramDrafter
-from backends.native.engine import generate
 from backends.native.loading import load_model
-from backends.native.sampling import SamplingParams
+from bench.backend import Sampling
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return",
-           "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+           "The quick brown fox jumps over the lazy dog. The quick brown fox", "Question: why?\nAnswer:"]
 
 
 def _graphs() -> int:
@@ -29,25 +27,36 @@ def tiny(tiny_llama):
 
 
 @pytest.mark.slow
-def test_compiled_steps_generate_the_eager_tokens_for_the_baseline_and_drafters(tiny):
-    model, tok = tiny
-    prompts = [tok.encode(t).ids for t in PROMPTS]
-    sp = SamplingParams()
-    with torch.inference_mode():
-        eager, _, _ = generate(model, prompts, 24, sp, record_margins=True)
+def test_compiled_steps_generate_the_eager_tokens_and_compile_nothing_inside_a_run(tiny_llama):
+    """Through the backend, as a sweep runs it: the baseline, a draft model (compiled with the
+    target) and n-gram give the eager tokens; every graph is built before the first run starts
+    (warm_compiled), so the runs after it compile nothing."""
+    path, m = {"path": str(tiny_llama)}, {"name": "draft_model", "draft_layers": 2}
+    eager = NativeBackend(path, m, num_speculative_tokens=3)
+    ids = [eager.tokenize(t) for t in PROMPTS]
+    base_e = eager.generate(ids, Sampling(), 24, speculative=False)
+    spec_e = eager.generate(ids, Sampling(), 24, speculative=True)
+    ngram_e = NativeBackend(path, {"name": "ngram"}, num_speculative_tokens=3).generate(ids, Sampling(), 24, True)
+    comp = NativeBackend(path, m, num_speculative_tokens=3, compile="default")
+    try:
         before = _graphs()
-        model.compile_steps("default")
-        base, _, _ = generate(model, prompts, 24, sp, record_margins=True)
-        assert _graphs() > before  # the compiled step ran, not a silent eager fallback
-        ngram, cycles, _ = generate(model, prompts, 24, sp, drafter=NgramDrafter(4))
-        draft = model.truncated(2)
-        draft.compile_steps("default")
-        drafted, dcycles, _ = generate(model, prompts, 24, sp, drafter=ModelDrafter(draft, 3, "first 2 layers"))
-    want = [r.tokens for r in eager]
-    assert [r.tokens for r in base] == want and [r.tokens for r in ngram] == want and [r.tokens for r in drafted] == want
-    assert sum(c["drafted"] for c in cycles) > 0 and sum(c["accepted"] for c in dcycles) > 0
+        base_c = comp.generate(ids, Sampling(), 24, speculative=False)
+        built = _graphs()
+        assert built > before  # the compiled steps ran, not a silent eager fallback
+        spec_c = comp.generate(ids, Sampling(), 24, speculative=True)
+        ngram_c = NativeBackend(path, {"name": "ngram"}, num_speculative_tokens=3, compile="default").generate(
+            ids, Sampling(), 24, True)
+        assert _graphs() == built  # nothing compiled inside these runs: the warm-up built every graph
+    finally:
+        comp.model.compile_steps(None)
+        comp.drafter.model.compile_steps(None)
+    want = [q.output_token_ids for q in base_e.requests]
+    for out in (base_c, spec_c, ngram_c, spec_e, ngram_e):
+        assert [q.output_token_ids for q in out.requests] == want
+    assert sum(c["accepted"] for c in spec_c.cycles) > 0 and sum(c["drafted"] for c in ngram_c.cycles) > 0
     # the same logits up to float reordering: the top-2 margins agree far below any decision
-    assert max(abs(a - b) for e, c in zip(eager, base) for a, b in zip(e.margins, c.margins)) < 1e-3
+    assert max(abs(a - b) for e, c in zip(base_e.requests, base_c.requests)
+               for a, b in zip(e.top2_margins, c.top2_margins)) < 1e-3
 
 
 @pytest.mark.slow

@@ -48,9 +48,9 @@ def test_submitit_runs_the_sweep_in_worker_processes_into_one_folder(tmp_path, t
     assert len(list((sweep / "baselines").iterdir())) == 2
 
 
-def _job_processes() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def _job_processes(sweep_pid: int) -> list[int]:
+    """The sweep's submitit job processes (each runs one job)."""
+    return [c for c in descendants(sweep_pid) if "submitit.core._submit" in cmdline(c)]
 
 
 def _files(job: Path) -> dict[str, bytes]:
@@ -100,8 +100,9 @@ def test_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_completes(tm
     deadline = time.time() + 300
     while time.time() < deadline and not list(sweep.glob("*draft_model*/config.yaml")):
         time.sleep(0.2)
-    victims = _one_job_running(_job_processes)  # ngram's job finds itself complete and exits
+    victims = _one_job_running(lambda: _job_processes(p.pid))  # ngram's job finds itself complete and exits
     assert len(victims) == 1, f"expected draft_model's job process alone, saw {victims}"
+    time.sleep(1.0)  # the job is measuring
     os.kill(victims[0], signal.SIGKILL)
     p.wait(timeout=900)
     _check_intact_and_rerun(args, sweep, done_job, done_files, env)
@@ -172,6 +173,7 @@ def test_ray_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_complete
         # a Ray worker is named for its task while it runs one (ray::IDLE after)
         victims = _one_job_running(lambda: [c for c in descendants(p.pid) if cmdline(c).startswith("ray::_run_job")])
         assert len(victims) == 1, f"expected draft_model's Ray worker alone, saw {[cmdline(v) for v in victims]}"
+        time.sleep(1.0)  # the job is measuring
         ray_processes = descendants(p.pid)
         os.kill(victims[0], signal.SIGKILL)
         p.wait(timeout=900)

@@ -12,9 +12,10 @@ from bench.methods import specsweep_overrides, synthetic_rates
 from ..cpu_probe import cpu_identity
 from . import kernels
 from .adaptive import AdaptiveDrafter
-from .drafters import CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, SyntheticDrafter
+from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, NoDrafter,
+                       SyntheticDrafter)
 from .heads import default_head_dir, load_head, load_mtp_head
-from .engine import generate
+from .engine import generate, max_len_for, setup
 from .scheduler import serve
 from .loading import load_model
 from .model import COMPILE_MODES, Transformer
@@ -267,6 +268,11 @@ class NativeBackend(Backend):
         sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
         gen = torch.Generator().manual_seed(sampling.seed)
         drafter = self.drafter if speculative else None
+        if self.cfg.compile:  # the caches both arms use, then every graph over them: no compile in a timed run
+            spec = self.drafter if self.drafter is not None else NoDrafter()
+            setup(self.model, spec, plan["plan"].max_rows if plan else len(prompts), max_len_for(prompts, max_new_tokens, spec))
+            for m in self._transformers():
+                m.warm_compiled()
         rows, cycles, wall = run(self.model, prompts, max_new_tokens, sp, drafter=drafter, eos_ids=self.eos, gen=gen,
                                  record_margins=not speculative and sp.greedy, trace=self.cfg.trace, **plan)
         reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by,

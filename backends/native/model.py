@@ -251,6 +251,11 @@ class Transformer(nn.Module):
         self.compile_mode: str | None = None
         self.compiled_step = None  # torch.compile of static_step, while compile_mode is set
         self._compiled: dict[str, object] = {}  # by mode: switching back does not compile again
+        self._warmed: set[tuple] = set()  # (mode, cache shape) whose graphs warm_compiled has built
+        # a Python number per dtype, not a tensor made in the forward: a CPU tensor inside a
+        # compiled CUDA step would keep it off CUDA graphs
+        self._embed_scale = {d: float(torch.tensor(args.embed_scale, dtype=d, device="cpu"))
+                             for d in (torch.float32, torch.bfloat16, torch.float16)}
 
     def truncated(self, n_layers: int) -> "Transformer":
         """A model made of this one's first n_layers, its final norm and output head, sharing the
@@ -281,6 +286,12 @@ class Transformer(nn.Module):
         length are never read before they are written again."""
 
     def setup_cache(self, max_batch: int, max_len: int):
+        """A cache of at least max_batch slots by max_len positions. One that already holds them is
+        kept (its stale entries lie past every row's position until written): new tensors would
+        make a compiled step's CUDA graphs record again, inside a timed run."""
+        if self.caches and max_batch <= self.max_batch and max_len <= self.max_len:
+            return
+        max_batch, max_len = max(max_batch, self.max_batch), max(max_len, self.max_len)
         p = self.embed.weight
         self.max_batch, self.max_len = max_batch, max_len
         a = self.args
@@ -325,8 +336,8 @@ class Transformer(nn.Module):
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)
-        if self.args.embed_scale != 1.0:
-            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        if self.args.embed_scale != 1.0:  # the scale rounded to the activations' dtype, as Gemma's reference does
+            x = x * self._embed_scale[x.dtype]
         return x
 
     def head_logits(self, x: Tensor, vocab_limit: int | None = None) -> Tensor:
@@ -362,9 +373,27 @@ class Transformer(nn.Module):
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         logits = self.compiled_step(tokens, pos, rows, bucket, r == list(range(B)))
-        if graphs:
-            logits = logits.clone()  # the graph's next replay overwrites its output
-        return logits.view(B, T, -1) if logits_for is None else logits[logits_for.reshape(-1)]
+        if logits_for is not None:
+            return logits[logits_for.reshape(-1)]  # a copy: the next replay cannot overwrite it
+        return (logits.clone() if graphs else logits).view(B, T, -1)  # the graph's next replay overwrites its output
+
+    @torch.inference_mode()
+    def warm_compiled(self) -> None:
+        """Build every graph a run can meet (one row or two, one token or two, rows a prefix of the
+        slots or not) over the cache the run will use, before anything is timed, so that no
+        compile lands inside a measured generation. It writes positions 1-2 of slots 0 and 1:
+        call it before a run (whose prefills rewrite a slot before reading it), not during one."""
+        self.setup_cache(2, KV_BUCKET + 2)  # at least two slots; a larger cache is kept
+        key = (self.compile_mode, self.max_batch, self.max_len)
+        if self.compile_mode is None or key in self._warmed:
+            return
+        dev = self.device
+        for B, T, rows in ((1, 1, [0]), (1, 2, [0]), (1, 1, [1]), (1, 2, [1]), (2, 1, [0, 1]), (2, 2, [0, 1]),
+                           (2, 1, [1, 0]), (2, 2, [1, 0])):
+            toks = torch.zeros(B, T, dtype=torch.long, device=dev)
+            pos = (1 + torch.arange(T, device=dev)).repeat(B, 1)  # contiguous, as a run's; past position 0: not a prefill
+            self(toks, pos, rows=torch.tensor(rows, device=dev))
+        self._warmed.add(key)
 
     def forward(
         self,
@@ -390,7 +419,7 @@ class Transformer(nn.Module):
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({self.max_len} slots)")
         if (self.compiled_step is not None and T <= COMPILED_MAX_T and layers is None and capture is None
-                and vocab_limit is None and not return_hidden):
+                and vocab_limit is None and not return_hidden and int(pos.min()) > 0):  # from position 0: a prefill
             return self._compiled_forward(tokens, pos, rows, logits_for, kv_len)
         rows2 = rows[:, None]
         a = self.args
