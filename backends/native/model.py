@@ -289,8 +289,9 @@ class Transformer(nn.Module):
         """A cache of at least max_batch slots by max_len positions. One that already holds them is
         kept (its stale entries lie past every row's position until written): new tensors would
         make a compiled step's CUDA graphs record again, inside a timed run."""
-        if self.caches and max_batch <= self.max_batch and max_len <= self.max_len:
-            return
+        if (self.caches and max_batch <= self.max_batch and max_len <= self.max_len
+                and self.caches[0].k.is_inference() == torch.is_inference_mode_enabled()):
+            return  # (a cache made under inference_mode cannot be written outside it: then a new one)
         max_batch, max_len = max(max_batch, self.max_batch), max(max_len, self.max_len)
         p = self.embed.weight
         self.max_batch, self.max_len = max_batch, max_len
