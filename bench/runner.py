@@ -224,6 +224,9 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     except KeyboardInterrupt:
         raise  # completed jobs are on disk already; this one is left incomplete and reruns next time
     except Exception as e:  # a row, and the sweep goes on
+        if JOB_TIMER["expired"] and not isinstance(e, EngineTimeout):  # code that wraps what it caught got the alarm
+            e = EngineTimeout(f"the job ran past job_timeout_s={JOB_TIMER['seconds']:g} s (caught as "
+                              f"{type(e).__name__}: {e})")
         kind = error_kind(e, phase)
         row.update(status="timeout" if isinstance(e, EngineTimeout) else "error", error=f"{type(e).__name__}: {e}",
                    error_kind=kind)
@@ -254,15 +257,20 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
     return row
 
 
+JOB_TIMER = {"expired": False, "seconds": None}  # whether this job's alarm went off, whatever caught it
+
+
 def start_job_timeout(seconds: float | None) -> None:
     """job_timeout_s: a job still running after this long is stopped with status=timeout (SIGALRM
     in the job's process: its main thread, as Hydra's launchers run jobs)."""
     import signal
 
+    JOB_TIMER.update(expired=False, seconds=seconds)
     if not seconds:
         return
 
     def expired(signum, frame):
+        JOB_TIMER["expired"] = True
         raise EngineTimeout(f"the job ran past job_timeout_s={seconds:g} s")
 
     signal.signal(signal.SIGALRM, expired)
