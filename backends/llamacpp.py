@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.backend import (Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, SettingError, SpecCounters,
-                           check_positive_seconds, reject_unknown)
+                           check_positive_seconds, checked_settings)
 
 from bench.methods import specsweep_overrides
 
@@ -160,8 +160,7 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
-        reject_unknown(settings, [f.name for f in fields(LlamaCppConfig)], "llamacpp")
-        LlamaCppConfig(**settings)
+        checked_settings(settings, LlamaCppConfig, "llamacpp")
         resolve_gguf(model["path"])
         if method.get("name") == "draft_model":
             if not method.get("draft_path"):

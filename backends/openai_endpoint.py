@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from bench.backend import Backend, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds, reject_unknown
+from bench.backend import Backend, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds, checked_settings
 
 from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, read_counters, serve_load,
                       spec_counters, tokenize)
@@ -107,8 +107,7 @@ class OpenAIEndpointBackend(Backend):
     load_kinds = ("concurrency", "rate")
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
-        reject_unknown(settings, list(EndpointConfig.__dataclass_fields__), "openai_endpoint")
-        self.cfg = EndpointConfig(**settings)
+        self.cfg = checked_settings(settings, EndpointConfig, "openai_endpoint")
         self.method, self.k = dict(method), num_speculative_tokens
         self.servers = {True: Endpoint(self.cfg.url, self.cfg, "url"),
                         False: Endpoint(self.cfg.baseline_url, self.cfg, "baseline_url")}
@@ -120,8 +119,7 @@ class OpenAIEndpointBackend(Backend):
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
-        reject_unknown(settings, list(EndpointConfig.__dataclass_fields__), "openai_endpoint")
-        EndpointConfig(**settings)  # the URLs' form; whether they answer is known when the job starts
+        checked_settings(settings, EndpointConfig, "openai_endpoint")  # the URLs' form; whether they answer is known when the job starts
 
     def latency_contract(self) -> dict:
         streamed = not self.servers[True].llama

@@ -36,11 +36,11 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds,
-                           reject_unknown)
+                           checked_settings)
 
 from .processes import Pool, ServerProcess, Worker, cli_flags
 from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, sglang_output,
@@ -150,8 +150,7 @@ class SGLangBackend(Backend):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         from backends.native.loading import resolve_model_path  # the GGUF or folder export_hf_folder reads
 
-        reject_unknown(settings, [f.name for f in fields(SGLangConfig)], cls.name)
-        SGLangConfig(**settings)
+        checked_settings(settings, SGLangConfig, cls.name)
         resolve_model_path(str(model["path"]))
 
     @classmethod

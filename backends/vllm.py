@@ -19,11 +19,11 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SettingError, SpecCounters,
-                           check_positive_seconds, reject_unknown)
+                           check_positive_seconds, checked_settings)
 from bench.methods import synthetic_rates
 
 from .processes import Pool, Worker
@@ -133,8 +133,7 @@ class VLLMBackend(Backend):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         from backends.native.loading import resolve_model_path  # the GGUF or folder export_hf_folder reads
 
-        reject_unknown(settings, [f.name for f in fields(VLLMConfig)], cls.name)
-        VLLMConfig(**settings)
+        checked_settings(settings, VLLMConfig, cls.name)
         resolve_model_path(str(model["path"]))
 
     @classmethod

@@ -118,6 +118,15 @@ def reject_unknown(settings: dict, valid, backend: str) -> None:
                          + (f" (nor {', '.join(unknown[1:])})" if unknown[1:] else "") + f"; valid: {', '.join(valid)}")
 
 
+def checked_settings(settings: dict, config_cls, backend: str):
+    """An adapter's settings as its config dataclass: an unknown key refused with the valid ones
+    (reject_unknown), each value checked by the dataclass's own __post_init__."""
+    import dataclasses
+
+    reject_unknown(settings, [f.name for f in dataclasses.fields(config_cls)], backend)
+    return config_cls(**settings)
+
+
 class SettingError(ValueError):
     """A setting the engine cannot honour, found only when the job runs (a load level above the
     slots of a server someone else started): the job's configuration error (error_kind=config)."""

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, reject_unknown
+from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, checked_settings
 from bench.methods import specsweep_overrides, synthetic_rates
 
 from ..cpu_probe import cpu_identity
@@ -135,8 +135,7 @@ class NativeBackend(Backend):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         from .loading import resolve_model_path
 
-        reject_unknown(settings, [f.name for f in fields(NativeConfig)], "native")
-        NativeConfig(**settings)
+        checked_settings(settings, NativeConfig, "native")
         resolve_model_path(model["path"])
         if method.get("name") == "adaptive":
             adaptive_policy(method)
