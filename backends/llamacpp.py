@@ -18,9 +18,10 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from bench.backend import (Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, SettingError, SpecCounters,
-                           check_positive_seconds, checked_settings)
+from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput, Sampling, SettingError,
+                           SpecCounters, check_positive_seconds, checked_settings)
 
 from bench.methods import specsweep_overrides
 
@@ -44,15 +45,21 @@ def resolve_gguf(path: str) -> str:
 
 
 @dataclass
-class LlamaCppConfig:
-    threads: int | None = None
+class LlamaCppConfig(BackendConfig):
+    """backend=llamacpp: llama.cpp in process through llama-cpp-python, with specsweep's own
+    draft/verify loop."""
+    _target_: str = "backends.llamacpp.LlamaCppBackend"
+    name: str = "llamacpp"
+    threads: int | None = None  # null = 2
     n_ctx: int = 8192  # KV slots shared by all the rows of a batch
-    max_rows: int = 16
-    # llama.cpp's own default (llama-server, llama-bench) is auto; llama-cpp-python's is off, which
-    # measured 12% slower per decode step here.
+    max_rows: int = 16  # sequences one context serves (the largest batch_size)
+    # auto | on | off. llama.cpp's own default (llama-server, llama-bench) is auto; llama-cpp-python's
+    # is off, which measured 12% slower per decode step here.
     flash_attn: str = "auto"
-    repack: str = "auto"  # llama.cpp's weight repacking (extra buffer types): auto probes this CPU once
-    startup_timeout_s: float = 300.0
+    # llama.cpp's weight repacking (extra buffer types): auto (probe this CPU once, cached) | on | off.
+    # Any: YAML 1.1 reads a bare on/off as a boolean, taken as on/off.
+    repack: Any = "auto"
+    startup_timeout_s: float = 300.0  # the engine worker's start (model load)
     request_timeout_s: float = 3600.0  # one batch's generate call
 
     def __post_init__(self):
@@ -131,10 +138,10 @@ class LlamaCppBackend(Backend):
         return {"ttft_source": "client",
                 "emit_granularity": "token" if self.method["name"] == "prompt_lookup_lib" else "cycle"}
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
-                 n_ctx: int = 8192, max_rows: int = 16, flash_attn: str = "auto", repack: str = "auto",
-                 startup_timeout_s: float = 300.0, request_timeout_s: float = 3600.0, **unused):
-        self.cfg = LlamaCppConfig(threads, n_ctx, max_rows, flash_attn, repack, startup_timeout_s, request_timeout_s)
+    config_cls = LlamaCppConfig
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+        self.cfg = checked_settings(settings, LlamaCppConfig)
         self.method = dict(method)
         name = self.method.get("name")
         if name not in METHODS:
@@ -160,7 +167,7 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
-        checked_settings(settings, LlamaCppConfig, "llamacpp")
+        checked_settings(settings, LlamaCppConfig)
         resolve_gguf(model["path"])
         if method.get("name") == "draft_model":
             if not method.get("draft_path"):

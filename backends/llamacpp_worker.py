@@ -188,10 +188,11 @@ class LlamaCppDraftModel(Drafter):
         self.ctx.decode([(row, list(prompt), 0, [False] * (len(prompt) - 1) + [True])])
         self.draft_len[row] = len(prompt)
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+        k = self.width(k)
         feeds = [(r, s[self.draft_len[r]:], self.draft_len[r]) for r, s in zip(rows, seqs)]
         drafts, probs = [[] for _ in rows], [[] for _ in rows]
-        for step in range(self.k):
+        for step in range(k):
             logits = self.ctx.decode([(r, toks, pos, [False] * (len(toks) - 1) + [True]) for r, toks, pos in feeds])
             nxt, p = select(torch.from_numpy(np.stack(logits)), sp, gen)  # np.stack copies out of the buffer
             for i in range(len(rows)):
@@ -200,7 +201,7 @@ class LlamaCppDraftModel(Drafter):
                     probs[i].append(p[i])
             feeds = [(r, [drafts[i][-1]], len(seqs[i]) + step) for i, r in enumerate(rows)]
         for r, s in zip(rows, seqs):
-            self.draft_len[r] = len(s) + self.k - 1  # d_1..d_{k-1} were fed
+            self.draft_len[r] = len(s) + k - 1  # d_1..d_{k-1} were fed
         return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
 
     def accepted(self, rows, old_lens, n_accepted, features=None):

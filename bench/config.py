@@ -66,8 +66,17 @@ class SweepConfig:
 
 
 def register_configs() -> None:
+    """The root schema, and each adapter's settings as the typed node of group `backend` (the
+    adapters' list is theirs: backends.CONFIGS; the harness names none of them)."""
+    from hydra.utils import get_class
+
+    import backends
+
     cs = ConfigStore.instance()
     cs.store(name="specsweep_schema", node=SweepConfig)
+    for path in backends.CONFIGS:
+        node = get_class(path)
+        cs.store(group="backend", name=node.name, node=node)
 
 
 class ConfigError(ValueError):

@@ -125,3 +125,78 @@ def test_a_methods_yaml_is_its_schema_read_from_the_files(tmp_path, monkeypatch)
     finally:
         monkeypatch.undo()
         m._method_configs.cache_clear()
+
+
+def _adapter_configs():
+    from hydra.utils import get_class
+
+    import backends
+
+    return [get_class(path) for path in backends.CONFIGS]
+
+
+@pytest.mark.parametrize("variant", ["native", "llamacpp", "llamacpp_server", "vllm", "vllm_server", "sglang",
+                                     "sglang_server", "openai_endpoint"])
+def test_every_backend_is_a_typed_node_whose_defaults_are_its_dataclass(variant):
+    """backend=NAME composes the adapter's BackendConfig (its defaults written there once), a server
+    variant derives the offline node's settings, and the adapter named by _target_ checks its
+    settings against that same dataclass."""
+    from dataclasses import fields
+
+    from hydra.utils import get_class
+
+    node = _cfg(f"backend={variant}").backend
+    target = get_class(node._target_)
+    assert OmegaConf.get_type(node) is target.config_cls and node.name == variant == target.name
+    for f in fields(target.config_cls):
+        if f.name not in ("_target_", "name"):
+            assert node[f.name] == f.default, f.name
+
+
+def test_the_registered_backends_are_the_adapters_list_and_each_adapter_takes_no_setting_by_name():
+    """No adapter's __init__ lists a setting again (defaults once, in the dataclass) or swallows
+    one: its settings are **settings, checked by checked_settings."""
+    import inspect
+
+    from hydra.core.config_store import ConfigStore
+    from hydra.utils import get_class
+
+    stored = {name.removesuffix(".yaml") for name in ConfigStore.instance().list("backend")}
+    configs = _adapter_configs()
+    assert stored == {c.name for c in configs}
+    for c in configs:
+        params = list(inspect.signature(get_class(c._target_).__init__).parameters)
+        assert params == ["self", "model", "method", "num_speculative_tokens", "settings"], (c.name, params)
+
+
+@pytest.mark.parametrize("override, expected", [("backend.threads=two", "backend.threads"),
+                                                ("backend.trace=maybe", "backend.trace"),
+                                                ("backend=vllm_server", None)])
+def test_a_backend_value_of_the_wrong_type_is_refused_as_the_sweep_is_composed(override, expected):
+    if expected is None:  # a derived variant is typed too
+        with pytest.raises(Exception, match="backend.max_num_seqs"):
+            _cfg(override, "backend.max_num_seqs=many")
+        return
+    with pytest.raises(Exception, match=expected):
+        _cfg(override)
+
+
+def test_an_adapter_refuses_an_unknown_setting_before_loading_a_model(tmp_path):
+    """Constructed directly (a notebook), an adapter checks its keyword settings the same way: the
+    model path does not exist, and the typo is what the error names."""
+    from backends.native import NativeBackend
+    from backends.llamacpp_server import LlamaServerBackend
+
+    with pytest.raises(ValueError, match="backend.dtpye is not a setting of backend native; valid: dtype, device"):
+        NativeBackend({"path": str(tmp_path / "absent")}, {"name": "ngram"}, 3, dtpye="bfloat16")
+    with pytest.raises(ValueError, match="backend.ctx_per_slot=8 is not valid; use 64 or more"):
+        LlamaServerBackend.check_config({"ctx_per_slot": 8}, {"path": "gemma3-270m"}, {"name": "ngram"}, 3)
+
+
+@pytest.mark.parametrize("override, expected", [("backend.threads=two", "full_key: backend.threads"),
+                                                ("workload=poetry", "poetry")])
+def test_what_hydra_refuses_on_the_command_line_is_exit_2_bad_input(tmp_path, override, expected):
+    r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", override],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert expected in r.stderr and not list(tmp_path.rglob("summary.json"))

@@ -65,7 +65,11 @@ def test_self_draft_accepts_nearly_everything(model_link):
         c = b.generate(prompts, Sampling(), 24, speculative=True).spec_counters
     finally:
         b.close()
-    assert c.draft_tokens > 0 and c.accepted_tokens / c.draft_tokens > 0.95
+    # A draft of another model accepts well under half of these; the same model all but everything,
+    # short of the near-ties where the draft's one-token decode and the verify's four-token batch
+    # round differently: 1.0 on a 2-core AVX2 AMD EPYC, 33/36 = 0.917 in every run on a 2-core
+    # AVX-512 AMD EPYC (Zen 4, `lscpu` "AMD EPYC", cpu family 25), both with repack off.
+    assert c.draft_tokens > 0 and c.accepted_tokens / c.draft_tokens > 0.85
 
 
 @pytest.mark.slow

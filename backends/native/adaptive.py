@@ -47,7 +47,8 @@ class AdaptiveDrafter(Drafter):
         self.state[row] = SimpleNamespace(st=self.policy.begin(SimpleNamespace(id=row, prompt_len=len(prompt), drafted={}),
                                                                ctx), prompt_len=len(prompt))
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+        most = self.width(k)
         plan = []
         for r, s in zip(rows, seqs):
             avail = [None] * len(self.subs)
@@ -55,17 +56,12 @@ class AdaptiveDrafter(Drafter):
                 avail[j] = len(self.subs[j].lookup(s))
             pos = len(s) - self.state[r].prompt_len
             w, k, _ = self.policy.choose(self.state[r].st, pos, avail)
-            k = min(k, self.k) if avail[w] is None else min(k, self.k, avail[w])
+            k = min(k, most) if avail[w] is None else min(k, most, avail[w])
             plan.append((w, k))
         tokens, probs, sources = [[] for _ in rows], [None] * len(rows), ["off"] * len(rows)
         for w, k in sorted({p for p in plan if p[1] > 0}):
             idx = [i for i, p in enumerate(plan) if p == (w, k)]
-            d = self.subs[w]
-            d.k = k  # the sub-drafter drafts this group's k (restored below: its cache was sized for self.k)
-            try:
-                prop = d.propose([rows[i] for i in idx], [seqs[i] for i in idx], sp, gen)
-            finally:
-                d.k = self.k
+            prop = self.subs[w].propose([rows[i] for i in idx], [seqs[i] for i in idx], sp, gen, k)
             for i, t, q in zip(idx, prop.tokens, prop.probs):
                 tokens[i], probs[i], sources[i] = t[:k], None if q is None else q[:k], self.methods[w]
         for r, (w, _), t in zip(rows, plan, tokens):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, checked_settings
+from bench.backend import Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput, Sampling, checked_settings
 from bench.methods import specsweep_overrides, synthetic_rates
 
 from ..cpu_probe import cpu_identity
@@ -31,12 +31,18 @@ _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across 
 
 
 @dataclass
-class NativeConfig:
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = None
-    trace: bool = True
-    compile: str | None = None  # a torch.compile mode for the decode/verify steps (model.COMPILE_MODES); null = eager
+class NativeConfig(BackendConfig):
+    """backend=native: the native PyTorch engine (backends/native)."""
+    _target_: str = "backends.native.NativeBackend"
+    name: str = "native"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (bf16 is slower on AVX2 CPUs)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    threads: int | None = None  # torch threads; null = torch's default
+    trace: bool = True  # per-cycle trace (cycles.parquet)
+    # null (eager) | default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs:
+    # torch.compile of the decode/verify steps, gpt-fast style (model.COMPILE_MODES); prefill stays
+    # eager. Costs a compile per new shape (tens of seconds on a 2-core CPU), so it pays on long runs.
+    compile: str | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -111,10 +117,10 @@ class NativeBackend(Backend):
     ttft_source, emit_granularity = "client", "cycle"  # stamped in the engine's own loop, per cycle
     load_kinds = ("concurrency", "rate")  # served by the continuous-batching scheduler (scheduler.serve)
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, dtype: str = "float32",
-                 device: str = "cpu", threads: int | None = None, trace: bool = True, compile: str | None = None,
-                 **unused):
-        self.cfg = NativeConfig(dtype=dtype, device=device, threads=threads, trace=trace, compile=compile)
+    config_cls = NativeConfig
+
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+        self.cfg = checked_settings(settings, NativeConfig)
         self.method = dict(method)
         name = self.method.get("name")
         if name not in METHODS:
@@ -122,7 +128,7 @@ class NativeBackend(Backend):
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.model_path = model["path"]
-        self.model, self.tokenizer, self.args, self.resolved = _load(self.model_path, dtype, device)
+        self.model, self.tokenizer, self.args, self.resolved = _load(self.model_path, self.cfg.dtype, self.cfg.device)
         self.k = num_speculative_tokens
         self.drafter = self._make_drafter(name, self.method)
         for m in self._transformers():  # the model is shared by a sweep's jobs: each sets it as it asks
@@ -135,7 +141,7 @@ class NativeBackend(Backend):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         from .loading import resolve_model_path
 
-        checked_settings(settings, NativeConfig, "native")
+        checked_settings(settings, NativeConfig)
         resolve_model_path(model["path"])
         if method.get("name") == "adaptive":
             adaptive_policy(method)

@@ -49,9 +49,15 @@ class Drafter(Protocol):
     def prefill(self, row: int, prompt: list[int], features: torch.Tensor | None = None) -> None:
         """A new request in slot `row`: its prompt (the target's features over it, if captured)."""
 
-    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen) -> Proposal:
-        """Up to k draft tokens per row; seqs[i] is row i's prompt + output so far."""
+    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen,
+                k: int | None = None) -> Proposal:
+        """Up to k draft tokens per row (k None: self.k; never more than self.k, which any cache was
+        sized for: an adaptive policy asks for fewer); seqs[i] is row i's prompt + output so far."""
         ...
+
+    def width(self, k: int | None) -> int:
+        """The draft length a proposal asked for k drafts."""
+        return self.k if k is None else min(k, self.k)
 
     def accepted(self, rows: list[int], old_lens: list[int], n_accepted: list[int], features=None) -> None:
         """After verification: row i had old_lens[i] tokens and n_accepted[i] draft tokens accepted
@@ -64,7 +70,7 @@ class Drafter(Protocol):
 class NoDrafter(Drafter):
     """The baseline: no draft, so every cycle is one plain decode step through the same loop."""
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
         return Proposal([[] for _ in rows], [None] * len(rows))
 
 
@@ -84,11 +90,11 @@ class NgramDrafter(Drafter):
         self.k, self.min_n, self.max_n = k, min_ngram, max_ngram
         self.prefer_recent, self.min_hits = prefer_recent, min_hits
 
-    def lookup(self, seq: list[int]) -> list[int]:
-        return ngram_lookup(seq, self.k, self.min_n, self.max_n, self.prefer_recent, self.min_hits)
+    def lookup(self, seq: list[int], k: int | None = None) -> list[int]:
+        return ngram_lookup(seq, self.width(k), self.min_n, self.max_n, self.prefer_recent, self.min_hits)
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
-        toks = [self.lookup(s) for s in seqs]
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+        toks = [self.lookup(s, k) for s in seqs]
         return Proposal(toks, [None] * len(toks))
 
 
@@ -115,7 +121,8 @@ class ModelDrafter(Drafter):
         self.model(toks, pos, rows=torch.tensor([row], device=dev), logits_for=torch.zeros_like(toks, dtype=torch.bool))
         self.draft_len[row] = len(prompt)
 
-    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen) -> Proposal:
+    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen, k=None) -> Proposal:
+        k = self.width(k)
         dev = self.model.embed.weight.device
         tails = [len(s) - self.draft_len[r] for r, s in zip(rows, seqs)]
         T = max(tails)
@@ -127,7 +134,7 @@ class ModelDrafter(Drafter):
         rows_t = torch.tensor(rows, device=dev)
         toks_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(pos, device=dev)
         out_toks, out_probs = [], []
-        for _ in range(self.k):
+        for _ in range(k):
             nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit)
             out_toks.append(nxt)
             out_probs.append(probs)
@@ -135,7 +142,7 @@ class ModelDrafter(Drafter):
         drafts = torch.stack(out_toks, 1).tolist()
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
         for r, s in zip(rows, seqs):
-            self.draft_len[r] = len(s) + self.k - 1  # d_1..d_{k-1} were fed
+            self.draft_len[r] = len(s) + k - 1  # d_1..d_{k-1} were fed
         return Proposal(drafts, probs)
 
     def accepted(self, rows, old_lens, n_accepted, features=None):
@@ -154,13 +161,14 @@ class LayerSkipDrafter(Drafter):
     def __init__(self, target: Transformer, k: int, layers: list[int], label: str, vocab_limit: int | None = None):
         self.model, self.k, self.layers, self.label, self.vocab_limit = target, k, layers, label, vocab_limit
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+        k = self.width(k)
         dev = self.model.embed.weight.device
         rows_t = torch.tensor(rows, device=dev)
         toks_t = torch.tensor([[s[-1]] for s in seqs], device=dev)
         pos_t = torch.tensor([[len(s) - 1] for s in seqs], device=dev)
         out_toks, out_probs = [], []
-        for _ in range(self.k):
+        for _ in range(k):
             nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, self.layers)
             out_toks.append(nxt)
             out_probs.append(probs)
@@ -203,9 +211,9 @@ class HeadDrafter(Drafter):
         ids, probs = select(logits, sp, gen)
         return self.head.to_target_ids(ids), _full_vocab_probs(probs, self.head, self.target.args.vocab_size)
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
         dev = self.target.embed.weight.device
-        head, k = self.head, self.k
+        head, k = self.head, self.width(k)
         extra = k - 1 if head.parallel else 0  # P-EAGLE: k - 1 mask queries after the bonus token
         tails = []
         for r, s in zip(rows, seqs):
@@ -279,13 +287,13 @@ class CombinedDrafter(Drafter):
     def prefill(self, row, prompt, features=None):
         self.neural.prefill(row, prompt, features)
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
-        ng = [self.ngram.lookup(s) for s in seqs]
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+        ng = [self.ngram.lookup(s, k) for s in seqs]
         use = [len(t) >= self.min_match for t in ng]
         tokens, probs = list(ng), [None] * len(rows)
         sub = [i for i, u in enumerate(use) if not u]
         if sub:
-            prop = self.neural.propose([rows[i] for i in sub], [seqs[i] for i in sub], sp, gen)
+            prop = self.neural.propose([rows[i] for i in sub], [seqs[i] for i in sub], sp, gen, k)
             for i, t, q in zip(sub, prop.tokens, prop.probs):
                 tokens[i], probs[i] = t, q
         return Proposal(tokens, probs, ["ngram" if u else "neural" for u in use])
@@ -311,7 +319,8 @@ class SyntheticDrafter(Drafter):
         self.k, self.label = k, label
         self.conditional = torch.tensor(conditional_rates(rates))
 
-    def propose(self, rows, seqs, sp, gen) -> Proposal:
-        draws = torch.rand((len(rows), self.k), generator=gen) < self.conditional
+    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+        k = self.width(k)
+        draws = torch.rand((len(rows), k), generator=gen) < self.conditional[:k]
         forced = draws.long().cumprod(-1).sum(-1).tolist()
-        return Proposal([[s[-1]] * self.k for s in seqs], [None] * len(rows), forced=forced)
+        return Proposal([[s[-1]] * k for s in seqs], [None] * len(rows), forced=forced)
