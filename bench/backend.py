@@ -217,7 +217,7 @@ class Backend(abc.ABC):
         """Check this engine's settings (the backend config less _target_ and name), the model and
         the method's files without loading anything: a ValueError or FileNotFoundError naming the
         bad value and what is valid. Run for every job of a sweep before the first one starts.
-        Here: the settings against config_cls; an adapter that checks more calls this first."""
+        Here: the settings against config_cls (an adapter that checks more does so too, first)."""
         checked_settings(settings, cls.config_cls, cls.name)
 
     @classmethod

@@ -151,7 +151,9 @@ def main() -> None:
         # Hydra prints what it could not compose (a value of the wrong type for its key, a config
         # group option that does not exist, an override it cannot parse) and exits 1: bad input,
         # and nothing ran, so the status says that.
-        if e.code == 1 and not SweepSummary.checked:
+        import bench.cli  # under `python -m bench.cli` Hydra's callback is this module's class, not __main__'s
+
+        if e.code == 1 and not bench.cli.SweepSummary.checked:
             raise SystemExit(2) from None
         raise
     except KeyboardInterrupt:
