@@ -101,6 +101,34 @@ def test_separate_draft_model_keeps_its_cache_in_sync(tiny_llama, tmp_path):
     assert all(c["accepted"] == c["drafted"] == 3 for c in cycles2)  # alpha = 1 exactly
 
 
+class _AskedK:
+    """A drafter asked for a different draft length every cycle (1, 2, .., k, 1, ...), as an adaptive
+    policy asks: everything else is the wrapped drafter's."""
+
+    def __init__(self, inner):
+        self.inner, self.k, self.capture, self.asked = inner, inner.k, inner.capture, []
+
+    def __getattr__(self, name):  # setup, prefill, accepted, release
+        return getattr(self.inner, name)
+
+    def propose(self, rows, seqs, sp, gen, k=None):
+        self.asked.append(1 + len(self.asked) % self.k)
+        return self.inner.propose(rows, seqs, sp, gen, self.asked[-1])
+
+
+def test_a_draft_model_asked_for_fewer_tokens_keeps_its_cache_in_sync(tiny_llama):
+    """Drafter.propose(..., k): a self-draft asked for k = 1..4 in turn drafts exactly that many and
+    still accepts every one (its cache bookkeeping follows the k it drafted, not its own k)."""
+    target, tok, _, _ = load_model(str(tiny_llama))
+    prompts = _enc(tok, PROMPTS[:2])
+    base, _, _ = generate(target, prompts, 40, SamplingParams())
+    d = _AskedK(ModelDrafter(load_model(str(tiny_llama))[0], 4, "self"))
+    spec, cycles, _ = generate(target, prompts, 40, SamplingParams(), drafter=d)
+    assert [r.tokens for r in spec] == [r.tokens for r in base]
+    assert {c["drafted"] for c in cycles} == {1, 2, 3, 4}
+    assert all(c["accepted"] == c["drafted"] for c in cycles)
+
+
 def test_speculative_sampling_reproduces_the_target_distribution(tiny_llama, tmp_path):
     """Sampled output of draft/verify (T=1, top_k=2, draft = the target's first 2 of 4 layers
     with its own cache) against the target's exact distribution over the first three tokens:
