@@ -6,7 +6,7 @@ there once. Variants that share an adapter's settings (the server modes of vLLM 
 from its node in conf/backend/<name>.yaml."""
 
 CONFIGS = (
-    "backends.native.backend.NativeConfig",
+    "backends.native.config.NativeConfig",
     "backends.llamacpp.LlamaCppConfig",
     "backends.llamacpp_server.LlamaServerConfig",
     "backends.vllm.VLLMConfig",

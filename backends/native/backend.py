@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from bench.backend import Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput, Sampling, checked_settings
+from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, checked_settings
 from bench.methods import specsweep_overrides, synthetic_rates
 
 from ..cpu_probe import cpu_identity
@@ -18,7 +17,8 @@ from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate, max_len_for, setup
 from .scheduler import serve
 from .loading import load_model
-from .model import COMPILE_MODES, Transformer
+from .config import NativeConfig
+from .model import Transformer
 from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
@@ -28,33 +28,6 @@ ADAPTIVE_DRAFTERS = ("ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp"
 NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp")
 log = logging.getLogger("specsweep")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
-
-
-@dataclass
-class NativeConfig(BackendConfig):
-    """backend=native: the native PyTorch engine (backends/native)."""
-    _target_: str = "backends.native.NativeBackend"
-    name: str = "native"
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (bf16 is slower on AVX2 CPUs)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    threads: int | None = None  # torch threads; null = torch's default
-    trace: bool = True  # per-cycle trace (cycles.parquet)
-    # null (eager) | default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs:
-    # torch.compile of the decode/verify steps, gpt-fast style (model.COMPILE_MODES); prefill stays
-    # eager. Costs a compile per new shape (tens of seconds on a 2-core CPU), so it pays on long runs.
-    compile: str | None = None
-
-    def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"backend.dtype={self.dtype!r} is not valid; use float32, bfloat16 or float16")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"backend.device={self.device!r} is not valid; use cpu or cuda[:N]")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"backend.device={self.device!r} but CUDA is not available here; use backend.device=cpu")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"backend.threads={self.threads} is not valid; use a positive count or null (torch's default)")
-        if self.compile is not None and self.compile not in COMPILE_MODES:
-            raise ValueError(f"backend.compile={self.compile!r} is not valid; use null (eager) or one of {', '.join(COMPILE_MODES)}")
 
 
 def greedy_with_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
-
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 # torch.compile modes a compiled decode/verify step may run in (backend.compile); "reduce-overhead"
 # replays CUDA graphs, as gpt-fast's decode does
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+from .config import COMPILE_MODES
+
+SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 COMPILED_MAX_T = 32  # decode and verify shapes; a prefill (as long as its prompt) runs eager
 KV_BUCKET = 128  # a compiled step reads the cache in steps of this many positions: few CUDA graphs, not one a length
 
