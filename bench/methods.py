@@ -41,7 +41,13 @@ def _method_configs() -> dict[str, dict]:
 
 def known_methods() -> dict[str, str]:
     """Method name -> its drafter kind, for every config in conf/method."""
-    return {name: str(cfg.get("drafter", "")) for name, cfg in _method_configs().items()}
+    return dict(_known_kinds())
+
+
+@lru_cache(maxsize=None)
+def _known_kinds() -> tuple[tuple[str, str], ...]:
+    # drafter_kind runs for every cycle the oracle simulates: the files are read once
+    return tuple((name, str(cfg.get("drafter", ""))) for name, cfg in _method_configs().items())
 
 
 def method_schemas() -> dict[str, list[str]]:
@@ -118,9 +124,10 @@ def drafter_kind(method) -> str:
         return kind
     if method in DECLARED:
         return DECLARED[method]
+    for name, kind in _known_kinds():
+        if name == method and kind in DRAFTER_KINDS:
+            return kind
     kinds = known_methods()
-    if method in kinds and kinds[method] in DRAFTER_KINDS:
-        return kinds[method]
     raise ValueError(f"method {method!r} has no conf/method/{method}.yaml declaring its drafter; known methods: "
                      f"{', '.join(kinds)}; declare another with --drafter-kind {method}=KIND (KIND one of "
                      f"{', '.join(DRAFTER_KINDS)})")

@@ -76,23 +76,28 @@ def replay_lookup(seq, first: int, k: int, min_ngram: int = 1, max_ngram: int = 
     return out_start, out_len, out_n
 
 
-def lookup_trace(prompt, generated, k: int, **knobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def lookup_trace(prompt, generated, k: int, context_offset: int = 1, **knobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The lookup replayed over a finished generation (replay_lookup), per generated position i (a
-    cycle starting after generated[:i+1]): acc_len (tokens it would emit: its accepted proposal + 1,
-    never past the end), draft_len (tokens proposed, 0 without a match) and match_len (the context
-    suffix it matched, 0 without one)."""
+    cycle whose context is prompt + generated[:i + context_offset]): acc_len (tokens it would emit:
+    its accepted proposal + 1, never past the end), draft_len (tokens proposed, 0 without a match)
+    and match_len (the context suffix it matched, 0 without one). context_offset 1 is specsweep's
+    traces' convention (position 0: the first cycle after prefill's token); 0 is the published
+    SpecDecode-Bench traces' (their position 0 is the prefill itself, acc_len 1 in every trace)."""
+    if context_offset not in (0, 1):
+        raise ValueError(f"context_offset={context_offset}: use 1 (specsweep's traces) or 0 (the published ones)")
     seq = [int(x) for x in prompt] + [int(x) for x in generated]
     P, G = len(prompt), len(generated)
     acc = np.ones(G, dtype=np.int64)
-    if G == 0:
-        return acc, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    start, drafted, matched = replay_lookup(seq, P + 1, k, **knobs)  # context lengths P + 1 .. P + G
+    if G == 0 or P + context_offset < 1:
+        return acc, np.zeros(G, dtype=np.int64), np.zeros(G, dtype=np.int64)
+    start, drafted, matched = replay_lookup(seq, P + context_offset, k, **knobs)  # contexts P + offset .. P + G
     for i in range(G):
+        end = P + i + context_offset  # the context's length: drafts are checked against seq[end:]
         m = 0
-        while m < drafted[i] and P + i + 1 + m < P + G and seq[start[i] + m] == seq[P + i + 1 + m]:
+        while m < drafted[i] and end + m < P + G and seq[start[i] + m] == seq[end + m]:
             m += 1
         acc[i] = min(m + 1, G - i)
-    return acc, drafted, matched
+    return acc, drafted[:G], matched[:G]
 
 
 def acceptance_lengths_from_predictions(generated, predicted_next, k: int) -> np.ndarray:

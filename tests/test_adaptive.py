@@ -326,7 +326,7 @@ def test_the_lookup_recomputed_from_token_ids(tmp_path):
     changed = sum(a != b for a, b in zip(rows[0]["acc_ngram"]["acc_len"],
                                          lookup_trace(rows[0]["prompt_token_ids"], rows[0]["generated_token_ids"], 20,
                                                       min_ngram=3, max_ngram=7, prefer_recent=False)[0]))
-    assert got == {"traces": 6, "positions": n, "agree": n - changed} and changed > 0
+    assert got == {"traces": 6, "positions": n, "agree": n - changed, "context_offset": 1} and changed > 0
     for t in traces:
         assert t.drafted["ngram"].tolist() == truth[t.id][0].tolist() and t.matched["ngram"].tolist() == truth[t.id][1].tolist()
     assert recompute_lookup(traces, "ngram", 3)["traces"] == 0  # match_len now recorded: left as it is
@@ -368,3 +368,34 @@ def test_conf_is_refused_by_the_engines_adaptive_method_and_says_why():
         adaptive_policy({"policy": "conf:ngram+draft_model:1:8:4:0.3"})
     with pytest.raises(ValueError, match="request 0 has no draft_prob of \\['eagle'\\]"):
         Policy.parse("conf:eagle:4:0.3").begin(SimpleNamespace(id=0, prompt_len=3, drafted={}), None)
+
+
+def test_the_lookup_recomputed_in_the_published_traces_alignment(tmp_path):
+    """The published traces' position i was drafted from prompt + generated[:i] (their position 0
+    is the prefill, acc_len 1), one token earlier than specsweep's. The recompute finds that
+    alignment by agreement and fills draft_len and match_len from those contexts: aligned the other
+    way, a position's lookup would already have seen the token its cycle drafts."""
+    from bench.ngram import lookup_trace
+    from bench.oracle.tracefile import recompute_lookup
+
+    rng = np.random.default_rng(3)
+    rows, truth = [], {}
+    for i in range(6):
+        prompt = rng.integers(0, 6, 50).tolist()
+        gen = (prompt[5:35] + rng.integers(0, 6, 25).tolist())[: int(rng.integers(30, 55))]
+        acc, drafted, matched = lookup_trace(prompt, gen, 20, 0, min_ngram=3, max_ngram=7, prefer_recent=False)
+        truth[str(i)] = (drafted, matched)
+        rows.append({"id": str(i), "prompt_token_ids": prompt, "generated_token_ids": gen,
+                     "acc_ngram": {"acc_len": [1] + acc[1:].tolist()}})  # position 0: the prefill's token
+    f = tmp_path / "combined_pub.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    traces = load_traces(f)
+    got = recompute_lookup(traces, "ngram", 20, min_ngram=3, max_ngram=7, prefer_recent=False)
+    assert got["context_offset"] == 0 and got["agree"] >= got["positions"] - 6
+    for t in traces:
+        assert t.drafted["ngram"].tolist() == truth[t.id][0].tolist()
+        assert t.matched["ngram"].tolist() == truth[t.id][1].tolist()
+    # specsweep's own alignment is the other one, and replayed so it does not agree as well
+    late = lookup_trace(rows[0]["prompt_token_ids"], rows[0]["generated_token_ids"], 20, 1, min_ngram=3,
+                        max_ngram=7, prefer_recent=False)[1]
+    assert late.tolist() != truth["0"][0].tolist()

@@ -156,17 +156,23 @@ class Context:
         """Seconds of a cycle at generated position pos verifying drafts + 1 tokens drafted by
         method w (drafts 0: a plain decode step, no drafter charged), plus the drafters in
         `consulted` (run only to decide), plus a switch where the accounting charges one."""
+        return float(self.step_times(pol, w, np.asarray(drafts), pos, prompt_len, switch, consulted))
+
+    def step_times(self, pol: Policy, w: int, drafts: np.ndarray, pos: int, prompt_len: int, switch: bool = False,
+                   consulted=()) -> np.ndarray:
+        """step_time for an array of draft counts at once (the goodput policy weighs every k of a
+        method each cycle)."""
         B = self.batch_size
         kv = B * (prompt_len + 1 + pos)
         il = drafts + 1
         verify = self.cost.verify(kv, B * il)
-        charged = set(consulted) | ({w} if drafts > 0 else set())
         t = verify + self.cost.overhead_per_step
-        for j in charged:
-            t += float(self.cost.draft(pol.methods[j]).time(verify, kv, il))
+        for j in sorted(set(consulted) | {w}):
+            dt = self.cost.draft(pol.methods[j]).time(verify, kv, il)
+            t = t + (dt if j in consulted else np.where(drafts > 0, dt, 0.0))
         if switch and pol.charges_switching(self.accounting):
-            t += self.cost.switching_cost
-        return float(t)
+            t = t + self.cost.switching_cost
+        return t
 
 
 class FixedK(Policy):

@@ -298,6 +298,21 @@ def _tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset):
     return [max(scores, key=lambda cs: cs[1][j])[0] for j in range(len(batch_sizes))]
 
 
+def _warn_read_as_published(traces, dataset: str, warn) -> None:
+    """Say how often a trace file needed the published traces' reading (tracefile's docstring)."""
+    own = [t for t in traces if t.own_length]
+    if own:
+        methods = sorted({m for t in own for m in t.own_length})
+        warn(f"{dataset}: {len(own)} of {len(traces)} traces record a method's own generation ({', '.join(methods)}: "
+             "an acc_len of another length than generated_token_ids); a policy over several methods runs over the "
+             "shortest, as the published simulator does")
+    past_end = sum(t.past_end for t in traces)
+    if past_end:
+        warn(f"{dataset}: {past_end} acc_len values exceed the tokens left in their generation (in "
+             f"{sum(t.past_end > 0 for t in traces)} traces): kept as recorded, as the published simulator reads "
+             "them; a cycle there ends the request")
+
+
 def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=None, n_requests: int = 300,
         batch_mode: str = "set", tune: bool = False, warn=None, lookups=()):
     """Every policy x accounting x batch size for every trace file; returns a DataFrame.
@@ -318,6 +333,8 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     for f in trace_files:
         traces = load_traces(f)
         dataset = Path(f).stem.removeprefix("combined_")
+        if warn is not None:
+            _warn_read_as_published(traces, dataset, warn)
         for method, knobs in lookups:
             knobs = dict(knobs)
             k = knobs.pop("k")
@@ -326,8 +343,11 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
                 share = f"{got['agree'] / got['positions']:.2%}" if got["positions"] else "-"
                 how = (f"match lengths {knobs['min_ngram']}-{knobs['max_ngram']}, "
                        f"{'latest' if knobs['prefer_recent'] else 'earliest'} occurrence, up to {k} tokens")
-                warn(f"{dataset}: {method}'s lookup recomputed from the token ids of {got['traces']} traces ({how}); "
-                     f"its acc_len agrees with the trace's at {share} of {got['positions']} positions")
+                when = ("prompt + generated[:i], the published traces' alignment" if got["context_offset"] == 0
+                        else "prompt + generated[:i + 1], specsweep's alignment")
+                warn(f"{dataset}: {method}'s lookup recomputed from the token ids of {got['traces']} traces ({how}; "
+                     f"position i drafted from {when}, the one that agrees more); its acc_len agrees with the "
+                     f"trace's at {share} of {got['positions']} positions")
         methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
         pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
         if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:

@@ -9,7 +9,15 @@ where the trace records them:
   k values in [0, 1] (specsweep's neural traces; teacher-forced, so exact up to a cycle's first
   wrong draft).
 Published SpecDecode-Bench traces load as they are (they have none of the three; the lookup's can
-be recomputed from their token ids: lookup.recompute_lookup).
+be recomputed from their token ids: lookup.recompute_lookup). Two things in them are read as their
+simulator reads them, and counted (Trace.own_length, Trace.clipped; the oracle's CLI says how often):
+- each method's acc_len is the trace of that method's own generation, so its length may differ from
+  generated_token_ids (their EAGLE runs' generations diverged from the n-gram's in 18-78% of the
+  requests); a policy over several methods uses the shortest (generated_len);
+- near the end of a generation a value may exceed the tokens left (acceptance recorded past the
+  cut-off). Such a cycle ends the request, and the value is kept as recorded: at the last cycle
+  it decides which method of a combined policy wins, as in the published simulator, whose numbers
+  specsweep reproduces.
 """
 from __future__ import annotations
 
@@ -40,6 +48,10 @@ class Trace:
     # row's recorded values), where recorded
     confidence: dict[str, np.ndarray] | None = None
     prompt_token_ids: list[int] | None = None
+    # methods whose acc_len covers its own generation, of a length other than generated_token_ids'
+    own_length: tuple[str, ...] = ()
+    # acc_len values past the end of their generation (more than the tokens left), kept as recorded
+    past_end: int = 0
 
 
 def _int_array(values, where: str, low: int) -> np.ndarray:
@@ -70,8 +82,11 @@ def _prob_rows(rows, where: str, n: int) -> np.ndarray:
 def load_traces(path: str | Path) -> list[Trace]:
     """Read the interchange format: one JSON object per line with id, prompt_token_ids,
     generated_token_ids and acc_<method>: {"acc_len": [...]} (published traces load as they are).
-    Checked so that no trace can be untrue: acc_len are integers >= 1, one per generated token, and
-    a cycle at generated position i emits at most the G - i tokens left (G generated tokens)."""
+    Checked: acc_len are integers >= 1 (draft_len and match_len >= 0, one per acc_len value,
+    draft_prob probabilities), anything else a TraceError naming file, line and field. A value
+    beyond the G - i tokens left at position i of a method's generation of G tokens is counted
+    (Trace.past_end), as is an acc_len whose length is not generated_token_ids' (Trace.own_length);
+    see the module's docstring."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"trace file {path!r} does not exist")
@@ -85,19 +100,16 @@ def load_traces(path: str | Path) -> list[Trace]:
                 raise TraceError(f"{where}: {field} must be a list of token ids, got {d[field]!r:.60}")
         gen = d.get("generated_token_ids", [])
         acc, drafted, matched, confidence = {}, {}, {}, {}
+        own_length, past_end = [], 0
         for k, v in d.items():
             if k.startswith("acc_") and isinstance(v, dict) and isinstance(v.get("acc_len"), list):
                 arr = _int_array(v["acc_len"], f"{where}: {k}.acc_len", 1)
+                if not len(arr):
+                    raise TraceError(f"{where}: {k}.acc_len is empty; it needs one value per generated token")
                 if gen and len(arr) != len(gen):
-                    raise TraceError(f"{where}: {k}.acc_len has {len(arr)} values for {len(gen)} generated tokens; it "
-                                     "needs one per generated token")
-                if gen:
-                    left = len(gen) - np.arange(len(arr))
-                    over = np.flatnonzero(arr > left)
-                    if len(over):
-                        i = int(over[0])
-                        raise TraceError(f"{where}: {k}.acc_len[{i}] = {int(arr[i])}: a cycle at generated position {i} "
-                                         f"can emit at most the {int(left[i])} tokens left (valid: 1..{int(left[i])})")
+                    own_length.append(k[4:])
+                left = len(arr) - np.arange(len(arr))  # tokens left in this method's own generation
+                past_end += int((arr > left).sum())
                 acc[k[4:]] = arr
                 for field, into in (("draft_len", drafted), ("match_len", matched)):
                     if isinstance(v.get(field), list):
@@ -110,7 +122,8 @@ def load_traces(path: str | Path) -> list[Trace]:
             raise TraceError(f'{where}: expected "prompt_token_ids" and at least one "acc_<method>": '
                              '{"acc_len": [...]}')
         out.append(Trace(str(d.get("id", n)), len(d["prompt_token_ids"]), d.get("generated_token_ids", []), acc,
-                         drafted or None, matched or None, confidence or None, d["prompt_token_ids"]))
+                         drafted or None, matched or None, confidence or None, d["prompt_token_ids"],
+                         tuple(own_length), past_end))
     if not out:
         raise TraceError(f"{path}: no traces")
     return out
@@ -151,21 +164,34 @@ def recompute_lookup(traces: list[Trace], method: str, k: int, **knobs) -> dict:
     """Fill in a lookup's draft_len and match_len from the token ids, on the traces that carry
     method's acc_len, their token ids and no match_len of their own (bench/ngram.py's lookup,
     replayed: lookup_trace). The trace's acc_len is kept; how often the replay's own acc_len
-    agrees with it is returned ({"traces", "positions", "agree"}), the measure of whether the
-    replayed lookup is the one the trace was recorded with."""
+    agrees with it is returned ({"traces", "positions", "agree", "context_offset"}), the measure
+    of whether the replayed lookup is the one the trace was recorded with.
+
+    Which token a position's lookup has last seen is a convention of the file: specsweep's traces
+    start at the first cycle after prefill (context_offset 1), the published ones at the prefill
+    (0: their position i was drafted from prompt + generated[:i]). Both are replayed and the one
+    that agrees with the trace more is kept (said in context_offset): a lookup aligned one token
+    late would see the token its cycle is to draft, a future the policies must not read."""
     from ..ngram import lookup_trace
 
-    n_traces = positions = agree = 0
-    for t in traces:
-        if method not in t.acc or (t.matched and method in t.matched) or not t.generated_token_ids \
-                or t.prompt_token_ids is None:
-            continue
-        acc, drafted, matched = lookup_trace(t.prompt_token_ids, t.generated_token_ids, k, **knobs)
-        G = len(t.acc[method])
+    todo = [t for t in traces if method in t.acc and not (t.matched and method in t.matched)
+            and t.generated_token_ids and t.prompt_token_ids is not None]
+    best = None
+    for offset in (1, 0):
+        replayed, positions, agree = [], 0, 0
+        for t in todo:
+            acc, drafted, matched = lookup_trace(t.prompt_token_ids, t.generated_token_ids, k, offset, **knobs)
+            G = len(t.acc[method])
+            n = min(G, len(acc))
+            replayed.append((drafted, matched, G))
+            positions += G
+            agree += int((acc[:n] == t.acc[method][:n]).sum())
+        if best is None or agree > best[2]:
+            best = (offset, replayed, agree, positions)
+    offset, replayed, agree, positions = best
+    for t, (drafted, matched, G) in zip(todo, replayed):
+        pad = np.zeros(max(G - len(drafted), 0), dtype=np.int64)  # an acc_len longer than the tokens (its own run)
         if not (t.drafted and method in t.drafted):  # a recorded draft_len is kept
-            t.drafted = {**(t.drafted or {}), method: drafted[:G]}
-        t.matched = {**(t.matched or {}), method: matched[:G]}
-        n_traces += 1
-        positions += G
-        agree += int((acc[:G] == t.acc[method]).sum())
-    return {"traces": n_traces, "positions": positions, "agree": agree}
+            t.drafted = {**(t.drafted or {}), method: np.concatenate([drafted[:G], pad])}
+        t.matched = {**(t.matched or {}), method: np.concatenate([matched[:G], pad])}
+    return {"traces": len(todo), "positions": positions, "agree": agree, "context_offset": offset}
