@@ -399,3 +399,32 @@ def test_the_lookup_recomputed_in_the_published_traces_alignment(tmp_path):
     late = lookup_trace(rows[0]["prompt_token_ids"], rows[0]["generated_token_ids"], 20, 1, min_ngram=3,
                         max_ngram=7, prefer_recent=False)[1]
     assert late.tolist() != truth["0"][0].tolist()
+
+
+def test_a_switching_policy_is_simulated_once_when_the_accountings_cannot_differ(tmp_path, monkeypatch):
+    """Without a switching cost the two accountings charge an adaptive policy the same, so it is
+    simulated once and both rows carry that number; a switching cost makes them differ, and the
+    combined bound (charged its drafters by accounting) differs in either case."""
+    import sys
+
+    sim = sys.modules["bench.oracle.simulate"]  # the package's name `simulate` is the function
+    f = _toy_file(tmp_path)
+    pols = ["goodput:ngram+eagle:6", "combined:ngram+eagle"]
+    calls = []
+    real = sim.simulate_set
+
+    def counted(traces, pol, *a, **kw):
+        calls.append(pol.name)
+        return real(traces, pol, *a, **kw)
+
+    monkeypatch.setattr(sim, "simulate_set", counted)
+    free = run([f], replace(COST, switching_cost=0.0), [1, 4], ["optimistic", "faithful"], pols, 16)
+    assert calls.count("goodput:ngram+eagle:6") == 1 and calls.count("combined:ngram+eagle") == 2
+    paid = run([f], COST, [1, 4], ["optimistic", "faithful"], pols, 16)
+    for df, same in ((free, True), (paid, False)):
+        g = df[df.policy == "goodput:ngram+eagle:6"].pivot_table(index="batch_size", columns="accounting",
+                                                                 values="speedup")
+        assert np.allclose(g.optimistic, g.faithful) == same
+        c = df[df.policy == "combined:ngram+eagle"].pivot_table(index="batch_size", columns="accounting",
+                                                                values="speedup")
+        assert (c.optimistic > c.faithful).all()

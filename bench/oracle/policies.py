@@ -126,6 +126,12 @@ class Policy:
     def charges_switching(self, accounting: str) -> bool:
         return self.switches and accounting == "faithful"
 
+    def accounting_matters(self, cost: CostModel) -> bool:
+        """Whether the two accountings can give this policy different numbers under cost: only
+        through the switching cost (a policy that charges its drafters by accounting says so), so
+        a cost model without one (the published constants) simulates it once."""
+        return self.switches and cost.switching_cost != 0
+
     @staticmethod
     def parse(spec: str) -> "Policy":
         kind, *args = spec.split(":")
@@ -214,6 +220,9 @@ class Combined(Policy):
         best = max(vals)
         # every drafter runs, to choose; ties go to the first method listed (the cheap one)
         return vals.index(best), best, (True,) * len(vals)
+
+    def accounting_matters(self, cost):
+        return True  # the drafters it is charged for differ (draft_time)
 
     def draft_time(self, cost, accounting, ran, verify, kv, il):
         if accounting == "optimistic":  # as published: the cheap drafter only, whichever wins

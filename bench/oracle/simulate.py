@@ -364,7 +364,7 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
                 if warn is not None:
                     warn(f"policy {pol.name}: n/a on {dataset} (the traces record no {pol.say_missing(lacking)})")
                 continue
-            simulated = accountings if pol.switches else accountings[:1]  # the others' are the same in both
+            simulated = accountings if pol.accounting_matters(cost) else accountings[:1]  # the same in both
             for accounting in simulated:
                 if tune:
                     fit, score = tune_split(traces, pol.methods, n_requests)
