@@ -10,7 +10,7 @@ where the trace records them:
   wrong draft).
 Published SpecDecode-Bench traces load as they are (they have none of the three; the lookup's can
 be recomputed from their token ids: lookup.recompute_lookup). Two things in them are read as their
-simulator reads them, and counted (Trace.own_length, Trace.clipped; the oracle's CLI says how often):
+simulator reads them, and counted (Trace.own_length, Trace.past_end; the oracle's CLI says how often):
 - each method's acc_len is the trace of that method's own generation, so its length may differ from
   generated_token_ids (their EAGLE runs' generations diverged from the n-gram's in 18-78% of the
   requests); a policy over several methods uses the shortest (generated_len);
