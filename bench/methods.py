@@ -41,13 +41,13 @@ def _method_configs() -> dict[str, dict]:
 
 def known_methods() -> dict[str, str]:
     """Method name -> its drafter kind, for every config in conf/method."""
-    return dict(_known_kinds())
+    return dict(_known_kinds())  # a copy: the cached one is shared
 
 
 @lru_cache(maxsize=None)
-def _known_kinds() -> tuple[tuple[str, str], ...]:
-    # drafter_kind runs for every cycle the oracle simulates: the files are read once
-    return tuple((name, str(cfg.get("drafter", ""))) for name, cfg in _method_configs().items())
+def _known_kinds() -> dict[str, str]:
+    # drafter_kind runs for every cycle the oracle simulates: the mapping is built once
+    return {name: str(cfg.get("drafter", "")) for name, cfg in _method_configs().items()}
 
 
 def method_schemas() -> dict[str, list[str]]:
@@ -124,10 +124,9 @@ def drafter_kind(method) -> str:
         return kind
     if method in DECLARED:
         return DECLARED[method]
-    for name, kind in _known_kinds():
-        if name == method and kind in DRAFTER_KINDS:
-            return kind
-    kinds = known_methods()
+    kinds = _known_kinds()
+    if kinds.get(method) in DRAFTER_KINDS:
+        return kinds[method]
     raise ValueError(f"method {method!r} has no conf/method/{method}.yaml declaring its drafter; known methods: "
                      f"{', '.join(kinds)}; declare another with --drafter-kind {method}=KIND (KIND one of "
                      f"{', '.join(DRAFTER_KINDS)})")

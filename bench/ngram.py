@@ -83,21 +83,35 @@ def lookup_trace(prompt, generated, k: int, context_offset: int = 1, **knobs) ->
     and match_len (the context suffix it matched, 0 without one). context_offset 1 is specsweep's
     traces' convention (position 0: the first cycle after prefill's token); 0 is the published
     SpecDecode-Bench traces' (their position 0 is the prefill itself, acc_len 1 in every trace)."""
-    if context_offset not in (0, 1):
-        raise ValueError(f"context_offset={context_offset}: use 1 (specsweep's traces) or 0 (the published ones)")
+    return lookup_alignments(prompt, generated, k, (context_offset,), **knobs)[context_offset]
+
+
+def lookup_alignments(prompt, generated, k: int, offsets=(1, 0), **knobs) -> dict[int, tuple]:
+    """lookup_trace for each context offset in offsets, from one replay of the lookup (the
+    contexts of offset 0 are those of offset 1 and one more)."""
+    for o in offsets:
+        if o not in (0, 1):
+            raise ValueError(f"context_offset={o}: use 1 (specsweep's traces) or 0 (the published ones)")
     seq = [int(x) for x in prompt] + [int(x) for x in generated]
     P, G = len(prompt), len(generated)
-    acc = np.ones(G, dtype=np.int64)
-    if G == 0 or P + context_offset < 1:
-        return acc, np.zeros(G, dtype=np.int64), np.zeros(G, dtype=np.int64)
-    start, drafted, matched = replay_lookup(seq, P + context_offset, k, **knobs)  # contexts P + offset .. P + G
-    for i in range(G):
-        end = P + i + context_offset  # the context's length: drafts are checked against seq[end:]
-        m = 0
-        while m < drafted[i] and end + m < P + G and seq[start[i] + m] == seq[end + m]:
-            m += 1
-        acc[i] = min(m + 1, G - i)
-    return acc, drafted[:G], matched[:G]
+    out = {o: (np.ones(G, dtype=np.int64), np.zeros(G, dtype=np.int64), np.zeros(G, dtype=np.int64))
+           for o in offsets if G == 0 or P + o < 1}  # nothing generated, or no context to look up in
+    todo = [o for o in offsets if o not in out]
+    if not todo:
+        return out
+    first = P + min(todo)
+    start, drafted, matched = replay_lookup(seq, first, k, **knobs)  # contexts first .. P + G
+    for o in todo:
+        s = P + o - first  # the replay's entry for position 0 of this alignment
+        acc = np.ones(G, dtype=np.int64)
+        for i in range(G):
+            end = P + i + o  # the context's length: drafts are checked against seq[end:]
+            m = 0
+            while m < drafted[s + i] and end + m < P + G and seq[start[s + i] + m] == seq[end + m]:
+                m += 1
+            acc[i] = min(m + 1, G - i)
+        out[o] = (acc, drafted[s:s + G], matched[s:s + G])
+    return out
 
 
 def acceptance_lengths_from_predictions(generated, predicted_next, k: int) -> np.ndarray:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from bench.backend import BackendConfig
 
+# torch.compile modes a compiled decode/verify step may run in (backend.compile); "reduce-overhead"
+# replays CUDA graphs, as gpt-fast's decode does
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 

@@ -15,8 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
-# torch.compile modes a compiled decode/verify step may run in (backend.compile); "reduce-overhead"
-# replays CUDA graphs, as gpt-fast's decode does
 from .config import COMPILE_MODES
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")

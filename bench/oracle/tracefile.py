@@ -172,15 +172,16 @@ def recompute_lookup(traces: list[Trace], method: str, k: int, **knobs) -> dict:
     (0: their position i was drafted from prompt + generated[:i]). Both are replayed and the one
     that agrees with the trace more is kept (said in context_offset): a lookup aligned one token
     late would see the token its cycle is to draft, a future the policies must not read."""
-    from ..ngram import lookup_trace
+    from ..ngram import lookup_alignments
 
     todo = [t for t in traces if method in t.acc and not (t.matched and method in t.matched)
             and t.generated_token_ids and t.prompt_token_ids is not None]
+    both = [lookup_alignments(t.prompt_token_ids, t.generated_token_ids, k, (1, 0), **knobs) for t in todo]
     best = None
     for offset in (1, 0):
         replayed, positions, agree = [], 0, 0
-        for t in todo:
-            acc, drafted, matched = lookup_trace(t.prompt_token_ids, t.generated_token_ids, k, offset, **knobs)
+        for t, by_offset in zip(todo, both):
+            acc, drafted, matched = by_offset[offset]
             G = len(t.acc[method])
             n = min(G, len(acc))
             replayed.append((drafted, matched, G))
