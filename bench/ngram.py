@@ -30,49 +30,52 @@ def ngram_lookup(seq, k: int, min_ngram: int = 1, max_ngram: int = 3, prefer_rec
 def replay_lookup(seq, first: int, k: int, min_ngram: int = 1, max_ngram: int = 3, prefer_recent: bool = True,
                   min_hits: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ngram_lookup(seq[:L], k, ..., with_match_len=True) for every context length L = first ..
-    len(seq), in one pass (the same results, a test checks it; ngram_lookup per position costs a
-    scan of the whole context, this a dictionary step): arrays over L of where the proposal starts
-    in seq, how many tokens it has (0: no match) and the match length n.
+    len(seq), in one vectorized pass (the same results, a test checks it; ngram_lookup per position
+    costs a scan of the whole context): arrays over L of where the proposal starts in seq, how many
+    tokens it has (0: no match) and the match length n.
 
-    For each n it keeps, per n-gram, its first and last start and its count among the n-grams
-    that end before the context's last token (an occurrence with a continuation, as ngram_lookup
-    counts them); the context's own suffix is then looked up in that table."""
-    arr = [int(x) for x in seq]
+    Every n-gram of seq gets an id (the id of its first n - 1 tokens paired with its last token,
+    numbered by np.unique), and its starts are sorted by id. The context of length L has as its
+    suffix the n-gram starting at q = L - n, and the occurrences ngram_lookup counts there (those
+    with a continuation inside the context) are exactly the starts before q with the same id: as
+    many as q's rank among them, the first of them, and the one just before q."""
+    arr = np.asarray(seq, dtype=np.int64).reshape(-1)
     N = len(arr)
     if min_ngram < 1 or max_ngram < min_ngram:
         raise ValueError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min_ngram <= max_ngram")
     if not 1 <= first <= N:
         raise ValueError(f"first={first}: the first context length must be in 1..{N}")
-    ns = range(max_ngram, min_ngram - 1, -1)
-    seen: dict[int, dict[tuple, list[int]]] = {n: {} for n in ns}  # n -> n-gram -> [first start, last start, count]
-    out_start = np.zeros(N - first + 1, dtype=np.int64)
-    out_len = np.zeros(N - first + 1, dtype=np.int64)
-    out_n = np.zeros(N - first + 1, dtype=np.int64)
-
-    def add(n, s):
-        key = tuple(arr[s : s + n])
-        e = seen[n].get(key)
-        if e is None:
-            seen[n][key] = [s, s, 1]
-        else:
-            e[1], e[2] = s, e[2] + 1
-
-    for L in range(1, N + 1):
-        for n in ns:  # the n-gram ending at L - 2 is now an occurrence with a continuation (token L - 1)
-            if L - 1 - n >= 0:
-                add(n, L - 1 - n)
-        if L < first:
+    L = np.arange(first, N + 1)
+    out_start = np.zeros(len(L), dtype=np.int64)
+    out_len = np.zeros(len(L), dtype=np.int64)
+    out_n = np.zeros(len(L), dtype=np.int64)
+    tok = np.unique(arr, return_inverse=True)[1].astype(np.int64).reshape(-1)  # token ids renumbered below N
+    ids = tok  # n = 1: the id of the n-gram starting at each s
+    # n ascending (each n's ids come from the last's); a longer match overwrites a shorter one
+    for n in range(1, min(max_ngram, N - 1) + 1):
+        if n > 1:  # (id of the (n - 1)-gram at s, token s + n - 1) numbered again: ids stay below N
+            ids = np.unique(ids[: N - n + 1] * (N + 1) + tok[n - 1:], return_inverse=True)[1].astype(np.int64).reshape(-1)
+        if n < min_ngram:
             continue
-        j = L - first
-        for n in ns:
-            if n > L - 1:
-                continue
-            e = seen[n].get(tuple(arr[L - n : L]))
-            if e is None or e[2] < max(min_hits, 1):
-                continue
-            start = (e[1] if prefer_recent else e[0]) + n
-            out_start[j], out_len[j], out_n[j] = start, min(k, L - start), n
-            break
+        order = np.argsort(ids, kind="stable")  # starts grouped by id, ascending within a group
+        sid = ids[order]
+        new_group = np.ones(len(order), dtype=bool)
+        new_group[1:] = sid[1:] != sid[:-1]
+        group_first = np.maximum.accumulate(np.where(new_group, np.arange(len(order)), 0))
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order)) - group_first  # occurrences before each start
+        earliest = np.empty(len(order), dtype=np.int64)
+        earliest[order] = order[group_first]
+        latest = np.empty(len(order), dtype=np.int64)
+        latest[order] = np.concatenate(([0], order[:-1]))  # the start before, where rank >= 1
+        q = L - n
+        ok = q >= 1  # n <= L - 1
+        qc = np.clip(q, 0, len(order) - 1)
+        ok &= rank[qc] >= max(min_hits, 1)
+        start = np.where(prefer_recent, latest[qc], earliest[qc]) + n
+        out_start = np.where(ok, start, out_start)
+        out_len = np.where(ok, np.minimum(k, L - start), out_len)
+        out_n = np.where(ok, n, out_n)
     return out_start, out_len, out_n
 
 
@@ -93,6 +96,7 @@ def lookup_alignments(prompt, generated, k: int, offsets=(1, 0), **knobs) -> dic
         if o not in (0, 1):
             raise ValueError(f"context_offset={o}: use 1 (specsweep's traces) or 0 (the published ones)")
     seq = [int(x) for x in prompt] + [int(x) for x in generated]
+    arr = np.asarray(seq, dtype=np.int64)
     P, G = len(prompt), len(generated)
     out = {o: (np.ones(G, dtype=np.int64), np.zeros(G, dtype=np.int64), np.zeros(G, dtype=np.int64))
            for o in offsets if G == 0 or P + o < 1}  # nothing generated, or no context to look up in
@@ -103,14 +107,15 @@ def lookup_alignments(prompt, generated, k: int, offsets=(1, 0), **knobs) -> dic
     start, drafted, matched = replay_lookup(seq, first, k, **knobs)  # contexts first .. P + G
     for o in todo:
         s = P + o - first  # the replay's entry for position 0 of this alignment
-        acc = np.ones(G, dtype=np.int64)
-        for i in range(G):
-            end = P + i + o  # the context's length: drafts are checked against seq[end:]
-            m = 0
-            while m < drafted[s + i] and end + m < P + G and seq[start[s + i] + m] == seq[end + m]:
-                m += 1
-            acc[i] = min(m + 1, G - i)
-        out[o] = (acc, drafted[s:s + G], matched[s:s + G])
+        i = np.arange(G)
+        end = P + i + o  # each context's length: its drafts are checked against seq[end:]
+        j = np.arange(k)[None, :]
+        proposed, truth = start[s:s + G, None] + j, end[:, None] + j
+        # draft j is accepted if drafts 0..j-1 were, it was proposed, and the generation reaches it
+        hit = (j < drafted[s:s + G, None]) & (truth < P + G)
+        hit &= arr[np.minimum(proposed, P + G - 1)] == arr[np.minimum(truth, P + G - 1)]
+        m = np.cumprod(hit, axis=1).sum(axis=1)
+        out[o] = (np.minimum(m + 1, G - i), drafted[s:s + G], matched[s:s + G])
     return out
 
 
