@@ -2,6 +2,7 @@
 random and hand-made traces. Nothing here asserts a speed: only orderings a definition implies."""
 import json
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -109,13 +110,14 @@ class Scripted(Policy):
     plan: tuple = ()
     switches = True
 
-    def proposer(self, t, ctx):
-        steps = iter(self.plan)
+    stateless = False  # one lane, its plan followed cycle by cycle
 
-        def propose(pos, acc_lens, drafted, prev):
-            w, k = next(steps)
-            return w, k + 1, tuple(j == w and k > 0 for j in range(len(self.methods)))
-        return propose
+    def start(self, lanes):
+        return SimpleNamespace(steps=iter(self.plan))
+
+    def decide(self, st, idx, pos, avail, has):
+        w, k = next(st.steps)
+        return np.array([w]), np.array([k]), np.array([[j == w and k > 0 for j in range(len(self.methods))]])
 
 
 def all_plans(t, methods, K, cur=1):

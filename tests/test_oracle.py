@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -216,9 +218,15 @@ def test_a_new_policy_is_one_class_and_one_registry_line(monkeypatch):
         def from_args(cls, spec, args):
             return cls(tuple(args[0].split("+")), int(args[1])) if len(args) == 2 else None
 
-        def propose(self, pos, acc_lens, drafted, prev):
-            w = 0 if prev is None else 1 - prev[0]
-            return w, self.k + 1, (w == 0, w == 1)  # only the chosen drafter runs
+        stateless = False  # it remembers the last drafter
+
+        def start(self, lanes):
+            return SimpleNamespace(prev=np.full(len(lanes), -1))
+
+        def decide(self, st, idx, pos, avail, has):
+            w = np.where(st.prev[idx] < 0, 0, 1 - st.prev[idx])
+            st.prev[idx] = w
+            return w, np.full(len(idx), self.k), np.stack([w == 0, w == 1], 1)  # only the chosen drafter runs
 
     monkeypatch.setitem(POLICIES, "alternate", Alternate)
     p = Policy.parse("alternate:ngram+eagle:1")

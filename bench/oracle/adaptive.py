@@ -1,7 +1,9 @@
 """Realizable adaptive policies: each cycle's choice from the past only.
 
-Every class here decides through `choose(state, pos, avail)` and learns through
-`observe(state, w, drafts, emitted)`; neither is given the trace's acceptance, so what a policy
+Every class here decides through `choose_lanes(state, idx, pos, avail, has)` and learns through
+`observe_lanes(state, idx, w, drafts, emitted)`, for many replays (lanes) at once, and the engine
+calls the same through `begin / choose / observe`, one row at a time. Neither is given the trace's
+acceptance, so what a policy
 knows is, by construction, what a decoder would: its own earlier cycles (method, drafts, tokens
 emitted), the position, and `avail[j]`, the tokens method j's drafter can propose here where the
 trace records it (draft_len: an n-gram lookup's match, found before the cycle runs). conf also
@@ -24,11 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 
 from ..methods import is_lookup
-from .policies import Context, Policy, PolicyError, _draft_length
+from .lanes import Lanes
+from .policies import Policy, PolicyError, _draft_length
 
 
 def _methods(spec: str, text: str, n: int | None = None) -> tuple[str, ...]:
@@ -39,45 +43,63 @@ def _methods(spec: str, text: str, n: int | None = None) -> tuple[str, ...]:
     return ms
 
 
-def _need_context(pol: Policy, ctx: Context | None) -> Context:
-    if ctx is None:
+def _need_context(pol: Policy, lanes: Lanes) -> None:
+    if lanes.cost is None or any(c is None for c in lanes.ctxs):
         raise ValueError(f"policy {pol.name}: its choices depend on the cost model and batch size; replay it with "
                          "a Context (simulate and simulate_set pass one)")
-    return ctx
+
+
+def _one(values, dtype=np.int64) -> np.ndarray:
+    return np.asarray([values], dtype=dtype)
 
 
 @dataclass(frozen=True)
 class Adaptive(Policy):
-    """The shared walk: per request a fresh state (begin), then each cycle choose from the past and
-    observe the outcome. A lookup proposes at most what it has at the position (avail)."""
+    """The shared walk: per lane a state (lanes_state), then each cycle choose from the past and
+    observe the outcome. A lookup proposes at most what it has at the position (avail, where has)."""
+    stateless: ClassVar[bool] = False
 
-    def begin(self, t, ctx) -> SimpleNamespace:
-        return SimpleNamespace()
+    def lanes_state(self, lanes: Lanes) -> SimpleNamespace:
+        return SimpleNamespace(lanes=lanes)
 
-    def choose(self, st, pos: int, avail) -> tuple[int, int, tuple[bool, ...]]:
-        """(method index, drafts wanted, which drafters run) from the past only."""
+    def choose_lanes(self, st, idx, pos, avail, has):
+        """(method index, drafts wanted, [n, W] which drafters run) per lane, from the past only."""
         raise NotImplementedError
 
-    def observe(self, st, w: int, drafts: int, emitted: int) -> None:
+    def observe_lanes(self, st, idx, w, drafts, emitted) -> None:
         pass
 
-    def proposer(self, t, ctx):
-        missing = self.missing_signals(t)
-        if missing:
-            raise ValueError(f"policy {self.name}: n/a for request {t.id}: it needs the {self.say_missing(missing)}, "
-                             "which this trace does not record")
-        st = self.begin(t, ctx)
-        last = []  # the previous cycle's (method, drafts), to pair with the outcome trajectory reports
+    def start(self, lanes):
+        for t in lanes.traces:
+            missing = self.missing_signals(t)
+            if missing:
+                raise ValueError(f"policy {self.name}: n/a for request {t.id}: it needs the "
+                                 f"{self.say_missing(missing)}, which this trace does not record")
+        return self.lanes_state(lanes)
 
-        def propose(pos, acc_lens, drafted, prev):  # acc_lens is not passed on: only the past decides
-            if prev is not None:
-                self.observe(st, last[0][0], last[0][1], prev[1])
-            avail = [None if d is None else int(d[pos]) for d in drafted]
-            w, k, ran = self.choose(st, pos, avail)
-            drafts = k if avail[w] is None else min(k, avail[w])
-            last[:] = [(w, drafts)]
-            return w, drafts + 1, ran
-        return propose
+    def decide(self, st, idx, pos, avail, has):
+        w, k, ran = self.choose_lanes(st, idx, pos, avail, has)
+        rows = np.arange(len(idx))
+        return w, np.where(has[rows, w], np.minimum(k, avail[rows, w]), k), ran
+
+    def learn(self, st, idx, w, drafts, emitted):
+        self.observe_lanes(st, idx, w, drafts, emitted)
+
+    # The engine's calls (backends/native/adaptive.py): one row, the same rule.
+    def begin(self, t, ctx) -> SimpleNamespace:
+        """The state of one row: t gives its id, prompt_len and the lookups' drafted (empty), ctx
+        the Context of a batch-aware rule (None otherwise)."""
+        return self.lanes_state(Lanes([t], [ctx], self.methods))
+
+    def choose(self, st, pos: int, avail) -> tuple[int, int, tuple[bool, ...]]:
+        """(method index, drafts wanted, which drafters run) for one row at generated position pos;
+        avail[j] the tokens method j's lookup can propose here (None: not a lookup)."""
+        has = _one([a is not None for a in avail], bool)
+        w, k, ran = self.choose_lanes(st, _one(0), _one(pos), _one([a or 0 for a in avail]), has)
+        return int(w[0]), int(k[0]), tuple(bool(x) for x in ran[0])
+
+    def observe(self, st, w: int, drafts: int, emitted: int) -> None:
+        self.observe_lanes(st, _one(0), _one(w), _one(drafts), _one(emitted))
 
 
 @dataclass(frozen=True)
@@ -103,10 +125,11 @@ class Match(Adaptive):
         ks = [_draft_length(spec, a) for a in args[1:]]
         return cls(_methods(spec, args[0], 2), 0, *ks)
 
-    def choose(self, st, pos, avail):
-        if avail[0] >= self.min_match:
-            return 0, self.k_cheap, (True, False)
-        return 1, self.k_neural, (True, True)
+    stateless = True
+
+    def choose_lanes(self, st, idx, pos, avail, has):
+        w = np.where(avail[:, 0] >= self.min_match, 0, 1)
+        return w, np.where(w == 0, self.k_cheap, self.k_neural), np.stack([np.ones(len(w), dtype=bool), w == 1], 1)
 
     def tune_grid(self):
         """Candidates for --tune: the threshold and the neural k (the cheap k as given). The neural k
@@ -146,18 +169,18 @@ class Ema(Adaptive):
             raise PolicyError(f"policy {spec!r}: need 0 < ALPHA <= 1 and K0 <= KMAX")
         return cls((args[0],), k0, alpha, kmax)
 
-    def begin(self, t, ctx):
-        return SimpleNamespace(e=float(self.k))
+    def lanes_state(self, lanes):
+        return SimpleNamespace(lanes=lanes, e=np.full(len(lanes), float(self.k)))
 
-    def choose(self, st, pos, avail):
-        return 0, min(max(int(math.floor(st.e + 0.5)), 1), self.kmax), (True,)
+    def choose_lanes(self, st, idx, pos, avail, has):
+        k = np.clip(np.floor(st.e[idx] + 0.5).astype(np.int64), 1, self.kmax)
+        return np.zeros(len(idx), dtype=np.int64), k, np.ones((len(idx), 1), dtype=bool)
 
-    def observe(self, st, w, drafts, emitted):
-        if drafts == 0:
-            return
+    def observe_lanes(self, st, idx, w, drafts, emitted):
         n = emitted - 1
-        x = n + 1 if n == drafts else n
-        st.e = (1 - self.alpha) * st.e + self.alpha * x
+        x = np.where(n == drafts, n + 1, n)
+        e = st.e[idx]
+        st.e[idx] = np.where(drafts > 0, (1 - self.alpha) * e + self.alpha * x, e)  # no draft: e as it was
 
     def tune_grid(self):
         return [Ema(self.methods, self.k, a, km) for a in (0.125, 0.25, 0.5, 0.75, 1.0) for km in (4, 8)
@@ -180,36 +203,44 @@ class Goodput(Adaptive):
     def from_args(cls, spec, args):
         return cls(_methods(spec, args[0]), _draft_length(spec, args[1])) if len(args) == 2 else None
 
-    def begin(self, t, ctx):
-        W = len(self.methods)
-        return SimpleNamespace(ctx=_need_context(self, ctx), P=t.prompt_len, tried=np.zeros((W, self.k)),
-                               acc=np.zeros((W, self.k)), prev=None)
+    def lanes_state(self, lanes):
+        _need_context(self, lanes)
+        L, W = len(lanes), len(self.methods)
+        return SimpleNamespace(lanes=lanes, tried=np.zeros((L, W, self.k)), acc=np.zeros((L, W, self.k)),
+                               prev=np.full(L, -1), lookup=np.array([is_lookup(m) for m in self.methods]))
 
-    def choose(self, st, pos, avail):
+    def choose_lanes(self, st, idx, pos, avail, has):
+        lanes, W, K, n = st.lanes, len(self.methods), self.k, len(idx)
         # lookups with recorded proposal lengths run every cycle, to know what they can propose
-        consult = tuple(j for j, a in enumerate(avail) if a is not None and is_lookup(self.methods[j]))
-        prev = st.prev if st.prev is not None else 0
-        best = (1.0 / st.ctx.step_time(self, prev, 0, pos, st.P, False, consult), prev, 0)  # k = 0 keeps the drafter
-        p = (st.acc + 1) / (st.tried + 2)
-        surv = np.cumprod(p, axis=1)
-        for w in range(len(self.methods)):
-            kmax = self.k if avail[w] is None else min(self.k, avail[w])
-            if kmax < 1:
-                continue
-            ks = np.arange(1, kmax + 1)
-            rates = (1 + np.cumsum(surv[w, :kmax])) / st.ctx.step_times(self, w, ks, pos, st.P, st.prev is not None
-                                                                        and w != st.prev, consult)
-            i = int(np.argmax(rates))  # the first of equal rates: the smallest k, as a scan in k order picks
-            if rates[i] > best[0]:
-                best = (float(rates[i]), w, int(ks[i]))
-        _, w, k = best
-        st.prev = w
-        return w, k, tuple(j == w and k > 0 or j in consult for j in range(len(self.methods)))
+        consult = has & st.lookup[None, :]
+        prev = st.prev[idx]
+        verify, drafting = lanes.step_times(idx, pos, np.arange(K + 1))  # [n, K + 1], [W, n, K + 1]
+        base = verify + lanes.cost.overhead_per_step
+        off = base[:, 0]  # k = 0 keeps the drafter: a plain step, the consulted lookups charged
+        for j in range(W):
+            off = off + np.where(consult[:, j], drafting[j, :, 0], 0.0)
+        gain = 1 + np.cumsum(np.cumprod((st.acc[idx] + 1) / (st.tried[idx] + 2), axis=2), axis=2)  # [n, W, K]
+        rates = np.empty((n, W, K))
+        for w in range(W):
+            t = base[:, 1:]
+            for j in range(W):  # in method order, as one cycle's drafters add up
+                t = t + np.where((consult[:, j] | (j == w))[:, None], drafting[j, :, 1:], 0.0)
+            if self.charges_switching(lanes.accounting):
+                t = np.where(((prev >= 0) & (prev != w))[:, None], t + lanes.cost.switching_cost, t)
+            kmax = np.where(has[:, w], np.minimum(K, avail[:, w]), K)
+            rates[:, w] = np.where(np.arange(1, K + 1)[None, :] <= kmax[:, None], gain[:, w] / t, -np.inf)
+        # the first of equal rates in the order off, then method by method k = 1..K: the smallest k
+        best = np.concatenate([(1.0 / off)[:, None], rates.reshape(n, W * K)], axis=1).argmax(1)
+        w = np.where(best == 0, np.maximum(prev, 0), (best - 1) // K)
+        k = np.where(best == 0, 0, (best - 1) % K + 1)
+        st.prev[idx] = w
+        return w, k, ((np.arange(W)[None, :] == w[:, None]) & (k > 0)[:, None]) | consult
 
-    def observe(self, st, w, drafts, emitted):
+    def observe_lanes(self, st, idx, w, drafts, emitted):
         n = emitted - 1
-        st.tried[w, :min(n + 1, drafts)] += 1  # depths 1..n accepted, depth n + 1 tried and rejected
-        st.acc[w, :n] += 1
+        depth = np.arange(self.k)[None, :]
+        st.tried[idx, w] += depth < np.minimum(n + 1, drafts)[:, None]  # depths 1..n accepted, n + 1 rejected
+        st.acc[idx, w] += depth < n[:, None]
 
 
 @dataclass(frozen=True)
@@ -234,29 +265,38 @@ class Ucb(Adaptive):
             return None
         return cls(_methods(spec, args[0]), 0, tuple(_draft_length(spec, k) for k in args[1].split(",")))
 
-    def begin(self, t, ctx):
-        arms = [(w, k) for w in range(len(self.methods)) for k in self.ks]
-        return SimpleNamespace(ctx=_need_context(self, ctx), P=t.prompt_len, arms=arms, n=np.zeros(len(arms)),
-                               mean=np.zeros(len(arms)), last=None, prev=None)
+    def lanes_state(self, lanes):
+        _need_context(self, lanes)
+        arms = np.array([(w, k) for w in range(len(self.methods)) for k in self.ks])
+        L = len(lanes)
+        # log N for every cycle count a lane can reach, as math.log gives it
+        logs = np.array([0.0] + [math.log(i) for i in range(1, int(lanes.G.max(initial=1)) + 1)])
+        return SimpleNamespace(lanes=lanes, arm_w=arms[:, 0], arm_k=arms[:, 1], n=np.zeros((L, len(arms))),
+                               mean=np.zeros((L, len(arms))), last=np.zeros(L, dtype=np.int64), rel=np.ones(L),
+                               prev=np.full(L, -1), log=logs)
 
-    def choose(self, st, pos, avail):
-        unplayed = np.flatnonzero(st.n == 0)
-        if len(unplayed):
-            a = int(unplayed[0])
-        else:
-            a = int(np.argmax(st.mean + np.sqrt(2 * math.log(st.n.sum()) / st.n)))
-        w, k = st.arms[a]
-        drafts = k if avail[w] is None else min(k, avail[w])
-        switch = st.prev is not None and w != st.prev
-        st.last = (a, st.ctx.step_time(self, w, drafts, pos, st.P, switch) / st.ctx.step_time(self, w, 0, pos, st.P))
-        st.prev = w
-        return w, k, tuple(j == w for j in range(len(self.methods)))
+    def choose_lanes(self, st, idx, pos, avail, has):
+        lanes, rows = st.lanes, np.arange(len(idx))
+        n = st.n[idx]
+        unplayed = n == 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            score = st.mean[idx] + np.sqrt(2 * st.log[n.sum(1).astype(np.int64)][:, None] / n)
+        a = np.where(unplayed.any(1), unplayed.argmax(1), score.argmax(1))  # every arm once, in order
+        w, k = st.arm_w[a], st.arm_k[a]
+        drafts = np.where(has[rows, w], np.minimum(k, avail[rows, w]), k)
+        prev = st.prev[idx]
+        verify, drafting = lanes.step_times(idx, pos, np.arange(max(self.ks) + 1))
+        t = verify[rows, drafts] + lanes.cost.overhead_per_step + np.where(drafts > 0, drafting[w, rows, drafts], 0.0)
+        if self.charges_switching(lanes.accounting):
+            t = np.where((prev >= 0) & (w != prev), t + lanes.cost.switching_cost, t)
+        st.last[idx], st.rel[idx], st.prev[idx] = a, t / (verify[:, 0] + lanes.cost.overhead_per_step), w
+        return w, k, np.arange(len(self.methods))[None, :] == w[:, None]
 
-    def observe(self, st, w, drafts, emitted):
-        a, rel_time = st.last
-        r = emitted / rel_time / (max(self.ks) + 1)
-        st.n[a] += 1
-        st.mean[a] += (r - st.mean[a]) / st.n[a]
+    def observe_lanes(self, st, idx, w, drafts, emitted):
+        a = st.last[idx]
+        r = emitted / st.rel[idx] / (max(self.ks) + 1)
+        st.n[idx, a] += 1
+        st.mean[idx, a] += (r - st.mean[idx, a]) / st.n[idx, a]
 
 
 @dataclass(frozen=True)
@@ -288,11 +328,15 @@ class Schedule(Adaptive):
         fits = [k for b, k in self.table if b <= batch_size]
         return fits[-1] if fits else self.table[0][1]
 
-    def begin(self, t, ctx):
-        return SimpleNamespace(k=self.k_for(_need_context(self, ctx).batch_size))
+    stateless = True
 
-    def choose(self, st, pos, avail):
-        return 0, st.k, (True,)
+    def lanes_state(self, lanes):
+        if any(c is None for c in lanes.ctxs):
+            _need_context(self, lanes)
+        return SimpleNamespace(lanes=lanes, k=np.array([self.k_for(int(b)) for b in lanes.batch], dtype=np.int64))
+
+    def choose_lanes(self, st, idx, pos, avail, has):
+        return np.zeros(len(idx), dtype=np.int64), st.k[idx], np.ones((len(idx), 1), dtype=bool)
 
 
 @dataclass(frozen=True)
@@ -354,25 +398,35 @@ class Confidence(Adaptive):
         m, kc, kmax = (_draft_length(spec, a) for a in args[1:4])
         return cls(_methods(spec, args[0], 2), kmax, m, kc, thr)
 
-    def begin(self, t, ctx):
-        missing = self.missing_signals(t)
-        if missing:
-            raise PolicyError(f"policy {self.name}: request {t.id} has no {self.say_missing(missing)}; it reads them "
-                              "before each cycle (specsweep's traces record them)")
-        conf = t.confidence[self.methods[-1]]
-        if conf.shape[1] < min(self.k, len(t.acc[self.methods[-1]]) - 1):  # a short generation has short rows
-            raise PolicyError(f"policy {self.name}: KMAX {self.k} is more than the {conf.shape[1]} drafts per cycle "
-                              f"whose probabilities request {t.id}'s trace records (its acc_len was traced at that "
-                              f"draft length too); use KMAX <= {conf.shape[1]}")
-        return SimpleNamespace(conf=conf, matched=t.matched[self.methods[0]] if self.combined else None)
+    stateless = True
 
-    def choose(self, st, pos, avail):
-        if self.combined and st.matched[pos] >= self.min_match:
-            return 0, self.k_cheap, (True, False)
-        row = st.conf[pos, : self.k]
-        below = np.flatnonzero(row < self.threshold)  # NaN (past the generation's end) never stops it
-        drafts = int(below[0]) if len(below) else self.k
-        return len(self.methods) - 1, drafts, (True,) * len(self.methods)
+    def lanes_state(self, lanes):
+        for t in lanes.traces:
+            missing = self.missing_signals(t)
+            if missing:
+                raise PolicyError(f"policy {self.name}: request {t.id} has no {self.say_missing(missing)}; it reads "
+                                  "them before each cycle (specsweep's traces record them)")
+            conf = t.confidence[self.methods[-1]]
+            if conf.shape[1] < min(self.k, len(t.acc[self.methods[-1]]) - 1):  # a short generation has short rows
+                raise PolicyError(f"policy {self.name}: KMAX {self.k} is more than the {conf.shape[1]} drafts per cycle "
+                                  f"whose probabilities request {t.id}'s trace records (its acc_len was traced at that "
+                                  f"draft length too); use KMAX <= {conf.shape[1]}")
+        return SimpleNamespace(
+            lanes=lanes, conf=lanes.by_request([t.confidence[self.methods[-1]] for t in lanes.traces], np.nan),
+            matched=lanes.by_request([t.matched[self.methods[0]] for t in lanes.traces]) if self.combined else None)
+
+    def choose_lanes(self, st, idx, pos, avail, has):
+        fi = st.lanes.offset[idx] + pos
+        below = st.conf[fi, : self.k] < self.threshold  # NaN (past the generation's end) never stops it
+        drafts = np.where(below.any(1), below.argmax(1), self.k)
+        W = len(self.methods)
+        w = np.full(len(idx), W - 1)
+        ran = np.ones((len(idx), W), dtype=bool)
+        if self.combined:
+            cheap = st.matched[fi] >= self.min_match
+            w, drafts = np.where(cheap, 0, w), np.where(cheap, self.k_cheap, drafts)
+            ran[:, 1] = ~cheap
+        return w, drafts, ran
 
     def draft_time(self, cost, accounting, ran, verify, kv, il):
         w = len(self.methods) - 1

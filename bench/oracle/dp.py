@@ -15,68 +15,57 @@ batch were B rows like it (verify of B x (k + 1) tokens at B x its KV), which is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
 from .policies import Policy, PolicyError, _draft_length
-from .tracefile import generated_len
 
 
-def plan_costs(pol: Policy, t, ctx):
-    """Per position, method and k in 0..KMAX: the cycle's seconds (inf where a lookup cannot propose
-    k) and tokens emitted; arrays [G - 1, W, KMAX + 1] for positions 0..G - 2."""
-    G = generated_len(t, pol.methods)
-    B, cost = ctx.batch_size, ctx.cost
-    pos = np.arange(G - 1, dtype=np.float64)[:, None, None]
-    ks = np.arange(pol.k + 1)[None, None, :]
-    il = (ks + 1).astype(np.float64)
-    kv = B * (t.prompt_len + 1 + pos)
-    verify = cost.verify(kv, B * il)
-    sec = np.zeros((G - 1, len(pol.methods), pol.k + 1))
-    emitted = np.zeros(sec.shape, dtype=np.int64)
-    for w, m in enumerate(pol.methods):
-        draft = cost.draft(m).time(verify, kv, il)[:, 0, :]
-        sec[:, w, :] = verify[:, 0, :] + np.where(ks[0] > 0, draft, 0.0) + cost.overhead_per_step
-        acc = np.asarray(t.acc[m][:G - 1])
-        emitted[:, w, :] = np.minimum(acc[:, None], ks[0] + 1)
-        d = (t.drafted or {}).get(m)
-        if d is not None:  # a lookup proposes at most what it found
-            sec[:, w, :] = np.where(ks[0][None, :] > np.asarray(d[:G - 1])[:, None], np.inf, sec[:, w, :])
-    return sec, emitted
-
-
-def solve(pol: Policy, t, ctx) -> tuple[list[tuple[int, int]], float]:
-    """The least-time sequence of (method, k) from the first decode position, and its seconds
-    (cycles only: prefill is the same for every plan)."""
-    G = generated_len(t, pol.methods)
-    if G <= 1:
-        return [], 0.0
-    sec, emitted = plan_costs(pol, t, ctx)
-    W = len(pol.methods)
-    sw = ctx.cost.switching_cost if pol.charges_switching(ctx.accounting) else 0.0
-    # state: the previous cycle's method, W = none yet (the first cycle switches from nothing)
-    switch = sw * (np.arange(W + 1)[:, None] != np.arange(W)[None, :])
-    switch[W] = 0.0
-    V = np.zeros((G + 2, W + 1))  # seconds left from position cur with that previous method
-    best_w = np.zeros((G + 2, W + 1), dtype=np.int64)
-    best_k = np.zeros((G + 2, W + 1), dtype=np.int64)
-    rows = np.arange(W)[:, None]
-    for cur in range(G - 1, 0, -1):
+def solve(pol: Policy, lanes) -> SimpleNamespace:
+    """The least-time plans of every lane (lanes.Lanes: requests x contexts) at once: per lane,
+    position cur (1 .. G - 1; row offset[lane] + cur of the tables) and previous method (W: none
+    yet), the best (method, k) of the cycle starting there and the seconds from there to the end
+    (cycles only: prefill is the same for every plan). Backwards over positions, every lane whose
+    generation reaches cur in one step of arrays."""
+    W, K, cost = len(pol.methods), pol.k, lanes.cost
+    G = lanes.G
+    offset = np.concatenate(([0], np.cumsum(G + 1)[:-1])).astype(np.int64)
+    V = np.zeros((int((G + 1).sum()), W + 1))  # seconds left; row G of a lane (the end) stays 0
+    best_w = np.zeros(V.shape, dtype=np.int8)
+    best_k = np.zeros(V.shape, dtype=np.int16)
+    sw = cost.switching_cost if pol.charges_switching(lanes.accounting) else 0.0
+    switch = sw * (np.arange(W + 1)[:, None] != np.arange(W)[None, :])  # [previous, method]
+    switch[W] = 0.0  # the first cycle switches from nothing
+    order = np.argsort(-G, kind="stable")  # longest first: the lanes still planning at cur are a prefix
+    longest_first = -G[order]
+    ks = np.arange(K + 1)
+    il = ks + 1
+    drafters = [cost.draft(m) for m in pol.methods]
+    methods = np.arange(W)[None, :, None]
+    for cur in range(int(G.max(initial=0)) - 1, 0, -1):
+        A = order[: np.searchsorted(longest_first, -(cur + 1), side="right")]  # lanes with G - 1 >= cur
         pos = cur - 1
-        nxt = np.minimum(cur + emitted[pos], G)
-        cand = sec[pos] + V[nxt, rows]  # [W, K + 1]: this cycle, then the best from where it lands
-        k = cand.argmin(1)
-        tot = cand[np.arange(W), k][None, :] + switch  # [W + 1, W]
-        w = tot.argmin(1)
-        V[cur] = tot[np.arange(W + 1), w]
-        best_w[cur], best_k[cur] = w, k[w]
-    plan, cur, lw = [], 1, W
-    while cur < G:
-        w, k = int(best_w[cur, lw]), int(best_k[cur, lw])
-        plan.append((w, k))
-        cur += int(emitted[cur - 1, w, k])
-        lw = w
-    return plan, float(V[1, W])
+        fi = lanes.offset[A] + pos
+        B = lanes.batch[A][:, None]
+        kv = B * (lanes.prompt_len[A][:, None] + 1 + pos)
+        verify = cost.verify(kv, B * il[None, :])  # [A, K + 1]
+        sec = np.empty((len(A), W, K + 1))
+        for w, dc in enumerate(drafters):
+            sec[:, w] = verify + np.where(ks > 0, dc.time(verify, kv, il[None, :]), 0.0) + cost.overhead_per_step
+            # a lookup proposes at most what it found
+            sec[:, w] = np.where(lanes.has[A, w][:, None] & (ks[None, :] > lanes.drafted[w, fi][:, None]), np.inf,
+                                 sec[:, w])
+        emitted = np.minimum(lanes.acc[:, fi].T[:, :, None], il[None, None, :])  # [A, W, K + 1]
+        landing = np.minimum(cur + emitted, G[A][:, None, None])
+        cand = sec + V[offset[A][:, None, None] + landing, methods]  # this cycle, then the best from where it lands
+        k = cand.argmin(2)  # [A, W]
+        tot = np.take_along_axis(cand, k[:, :, None], 2)[:, None, :, 0] + switch[None]  # [A, W + 1, W]
+        w = tot.argmin(2)  # [A, W + 1]
+        row = offset[A] + cur
+        V[row] = np.take_along_axis(tot, w[:, :, None], 2)[:, :, 0]
+        best_w[row], best_k[row] = w, np.take_along_axis(k, w, 1)
+    return SimpleNamespace(V=V, w=best_w, k=best_k, offset=offset)
 
 
 @dataclass(frozen=True)
@@ -95,12 +84,19 @@ class Dp(Policy):
     def exact(self, batch_size: int) -> bool:
         return batch_size == 1
 
-    def proposer(self, t, ctx):
-        if ctx is None:
-            raise PolicyError(f"policy {self.name}: the bound needs a cost model and batch size (a Context)")
-        plan = iter(solve(self, t, ctx)[0])
+    stateless = False  # each lane follows its plan from the previous cycle's method
 
-        def propose(pos, acc_lens, drafted, prev):
-            w, k = next(plan)
-            return w, k + 1, tuple(j == w and k > 0 for j in range(len(self.methods)))
-        return propose
+    def start(self, lanes):
+        if lanes.cost is None or any(c is None for c in lanes.ctxs):
+            raise PolicyError(f"policy {self.name}: the bound needs a cost model and batch size (a Context)")
+        st = solve(self, lanes)
+        st.prev = np.full(len(lanes), len(self.methods))  # none yet
+        return st
+
+    def decide(self, st, idx, pos, avail, has):
+        row = st.offset[idx] + pos + 1
+        w, k = st.w[row, st.prev[idx]].astype(np.int64), st.k[row, st.prev[idx]].astype(np.int64)
+        return w, k, (np.arange(len(self.methods))[None, :] == w[:, None]) & (k > 0)[:, None]
+
+    def learn(self, st, idx, w, drafts, emitted):
+        st.prev[idx] = w

@@ -25,6 +25,7 @@ Accountings (`accounting`), which matter only to a policy that can switch drafte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
@@ -47,7 +48,7 @@ def _draft_length(spec: str, text: str) -> int:
 @dataclass(frozen=True)
 class Policy:
     """What every policy shares. A subclass sets kind and syntax, reads its spec (from_args) and
-    says what it proposes at a position (propose)."""
+    says what it proposes at a position (decide, for many replays at once: lanes.py)."""
     methods: tuple[str, ...]
     k: int = 0  # tokens drafted per cycle, for the policies that fix it
 
@@ -83,18 +84,25 @@ class Policy:
         policy's (Policy.parse then names every valid syntax)."""
         raise NotImplementedError
 
-    def propose(self, pos: int, acc_lens, drafted, prev) -> tuple[int, int, tuple[bool, ...]]:
-        """The cycle starting at generated position pos: (index of the method whose draft is used,
-        tokens verified = drafts + 1, for each method whether its drafter ran). acc_lens[j] and
-        drafted[j] are method j's acc_len and recorded draft lengths (None: not recorded); prev is
-        (method used, tokens emitted) of the previous cycle, None at the first."""
+    # Its choice at a position depends on nothing it has seen (no state): every position is decided
+    # at once (lanes.walk_stateless); otherwise lanes step in lockstep, learning as they go.
+    stateless: ClassVar[bool] = True
+
+    def start(self, lanes) -> SimpleNamespace:
+        """A replay's state over lanes (lanes.Lanes: requests x contexts): what decide and learn
+        read and update, one entry per lane."""
+        return SimpleNamespace(lanes=lanes)
+
+    def decide(self, st, idx: np.ndarray, pos: np.ndarray, avail: np.ndarray, has: np.ndarray):
+        """The cycles of lanes idx starting at generated positions pos (arrays): (index of the
+        method whose draft is used, tokens drafted = verified - 1, [n, W] whether each method's
+        drafter ran). avail[:, j] is method j's recorded draft length there (draft_len), valid
+        where has[:, j]; a policy that reads acceptance (oracle, combined) reads st.lanes.acc, which
+        no realizable one does."""
         raise NotImplementedError
 
-    def proposer(self, t, ctx: "Context | None"):
-        """A propose function for one request (trace t), replayed from its first cycle. Stateless
-        policies return propose itself; adaptive ones a closure over their running estimates, fresh
-        for each request, and ctx gives them the cost model, batch size and accounting."""
-        return self.propose
+    def learn(self, st, idx: np.ndarray, w: np.ndarray, drafts: np.ndarray, emitted: np.ndarray) -> None:
+        """The outcome of the cycles decide chose for lanes idx: method, drafts, tokens emitted."""
 
     def draft_time(self, cost: CostModel, accounting: str, ran, verify, kv, il):
         """Drafting charged per cycle, arrays of any broadcastable shape: ran[..., j] whether
@@ -152,33 +160,10 @@ class Policy:
 class Context:
     """What a batch-aware policy may know besides the past: the cost model it is timed by, the batch
     size and the accounting. Its cycle times are those of a row in a batch of B rows like itself
-    (exact at B = 1, where they are the simulators' own)."""
+    (exact at B = 1, where they are the simulators' own; lanes.Lanes.step_times)."""
     cost: CostModel
     batch_size: int
     accounting: str
-
-    def step_time(self, pol: Policy, w: int, drafts: int, pos: int, prompt_len: int, switch: bool = False,
-                  consulted=()):
-        """Seconds of a cycle at generated position pos verifying drafts + 1 tokens drafted by
-        method w (drafts 0: a plain decode step, no drafter charged), plus the drafters in
-        `consulted` (run only to decide), plus a switch where the accounting charges one."""
-        return float(self.step_times(pol, w, np.asarray(drafts), pos, prompt_len, switch, consulted))
-
-    def step_times(self, pol: Policy, w: int, drafts: np.ndarray, pos: int, prompt_len: int, switch: bool = False,
-                   consulted=()) -> np.ndarray:
-        """step_time for an array of draft counts at once (the goodput policy weighs every k of a
-        method each cycle)."""
-        B = self.batch_size
-        kv = B * (prompt_len + 1 + pos)
-        il = drafts + 1
-        verify = self.cost.verify(kv, B * il)
-        t = verify + self.cost.overhead_per_step
-        for j in sorted(set(consulted) | {w}):
-            dt = self.cost.draft(pol.methods[j]).time(verify, kv, il)
-            t = t + (dt if j in consulted else np.where(drafts > 0, dt, 0.0))
-        if switch and pol.charges_switching(self.accounting):
-            t = t + self.cost.switching_cost
-        return t
 
 
 class FixedK(Policy):
@@ -189,10 +174,10 @@ class FixedK(Policy):
     def from_args(cls, spec, args):
         return cls((args[0],), _draft_length(spec, args[1])) if len(args) == 2 else None
 
-    def propose(self, pos, acc_lens, drafted, prev):
-        d = drafted[0]
+    def decide(self, st, idx, pos, avail, has):
         # the drafter proposes only what it has (n-gram: nothing without a match)
-        return 0, (self.k if d is None else min(self.k, int(d[pos]))) + 1, (True,)
+        drafts = np.where(has[:, 0], np.minimum(self.k, avail[:, 0]), self.k)
+        return np.zeros(len(idx), dtype=np.int64), drafts, np.ones((len(idx), 1), dtype=bool)
 
 
 class OracleK(Policy):
@@ -203,8 +188,9 @@ class OracleK(Policy):
     def from_args(cls, spec, args):
         return cls((args[0],)) if len(args) == 1 else None
 
-    def propose(self, pos, acc_lens, drafted, prev):
-        return 0, int(acc_lens[0][pos]), (True,)
+    def decide(self, st, idx, pos, avail, has):
+        acc = st.lanes.acc[0, st.lanes.offset[idx] + pos]
+        return np.zeros(len(idx), dtype=np.int64), acc - 1, np.ones((len(idx), 1), dtype=bool)
 
 
 class Combined(Policy):
@@ -215,11 +201,10 @@ class Combined(Policy):
     def from_args(cls, spec, args):
         return cls(tuple(args[0].split("+"))) if len(args) == 1 and "+" in args[0] else None
 
-    def propose(self, pos, acc_lens, drafted, prev):
-        vals = [int(a[pos]) for a in acc_lens]
-        best = max(vals)
+    def decide(self, st, idx, pos, avail, has):
+        vals = st.lanes.acc[:, st.lanes.offset[idx] + pos]  # [W, n]
         # every drafter runs, to choose; ties go to the first method listed (the cheap one)
-        return vals.index(best), best, (True,) * len(vals)
+        return vals.argmax(0), vals.max(0) - 1, np.ones((len(idx), len(self.methods)), dtype=bool)
 
     def accounting_matters(self, cost):
         return True  # the drafters it is charged for differ (draft_time)
@@ -240,13 +225,22 @@ class Fallback(Policy):
             return cls(tuple(args[0].split("+")), _draft_length(spec, args[1]))
         return None
 
-    def propose(self, pos, acc_lens, drafted, prev):
+    stateless = False
+
+    def start(self, lanes):
+        return SimpleNamespace(lanes=lanes, prev=np.full(len(lanes), -1), prev_emitted=np.zeros(len(lanes), dtype=np.int64))
+
+    def decide(self, st, idx, pos, avail, has):
         # The cheap method while its last cycle had a draft accepted (or the neural one just ran):
         # known before the cycle, unlike the combined oracle's choice.
-        w = 0 if prev is None or prev[0] == 1 or prev[1] > 1 else 1
-        d = drafted[0] if w == 0 else None
+        prev = st.prev[idx]
+        w = np.where((prev < 0) | (prev == 1) | (st.prev_emitted[idx] > 1), 0, 1)
+        drafts = np.where((w == 0) & has[:, 0], np.minimum(self.k, avail[:, 0]), self.k)
         # the lookup runs every cycle, it is how the rule decides; the neural drafter only when chosen
-        return w, (self.k if d is None else min(self.k, int(d[pos]))) + 1, (True, w == 1)
+        return w, drafts, np.stack([np.ones(len(idx), dtype=bool), w == 1], axis=1)
+
+    def learn(self, st, idx, w, drafts, emitted):
+        st.prev[idx], st.prev_emitted[idx] = w, emitted
 
 
 @dataclass(frozen=True)
@@ -269,9 +263,9 @@ class RandMatch(Policy):
             raise PolicyError(f"policy {spec!r}: match probability {p:g} is not valid; use 0..1")
         return cls((args[0],), _draft_length(spec, args[1]), p)
 
-    def propose(self, pos, acc_lens, drafted, prev):
+    def decide(self, st, idx, pos, avail, has):
         # a full draft every cycle: the published model ignores recorded draft lengths
-        return 0, self.k + 1, (True,)
+        return np.zeros(len(idx), dtype=np.int64), np.full(len(idx), self.k), np.ones((len(idx), 1), dtype=bool)
 
 
 # The adaptive policies and the dp bound subclass Policy and Context above, so they are imported

@@ -24,6 +24,7 @@ import numpy as np
 from .. import metrics
 from ..costmodel import CostModel
 from ..methods import is_lookup
+from .lanes import Lanes, walk_lockstep, walk_stateless
 from .policies import Context, Policy, RandMatch, default_policies
 from .tracefile import Trace, generated_len, load_traces, recompute_lookup
 
@@ -42,30 +43,24 @@ class Trajectory:
     winner: np.ndarray  # per cycle: index of the method whose proposal was used
 
 
+def trajectories(traces: list[Trace], pol: Policy, ctxs=(None,)) -> list[list[Trajectory]]:
+    """The cycles of policy pol over every request of traces, under each Context of ctxs (cost
+    model, batch size, accounting: a batch-aware policy's choices depend on them; None for the
+    others): per ctx, per request. Every replay runs at once, as lanes (lanes.py)."""
+    lanes = Lanes(traces, ctxs, pol.methods)
+    st = pol.start(lanes)
+    lane, il, emitted, ran, w = (walk_stateless if pol.stateless else walk_lockstep)(pol, st, lanes)
+    ends = np.cumsum(np.bincount(lane, minlength=len(lanes)))
+    starts = np.concatenate(([0], ends[:-1]))
+    out = [Trajectory(il[a:b], emitted[a:b], ran[a:b], w[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
+    R = len(traces)
+    return [out[c * R:(c + 1) * R] for c in range(len(ctxs))]
+
+
 def trajectory(t: Trace, pol: Policy, ctx: Context | None = None) -> Trajectory:
     """The cycles of policy pol over request t; ctx (cost model, batch size, accounting) for the
     policies whose choices depend on them (batch_aware)."""
-    propose = pol.proposer(t, ctx)
-    acc_lens = [t.acc[m] for m in pol.methods]
-    drafted = [(t.drafted or {}).get(m) for m in pol.methods]
-    G = generated_len(t, pol.methods)
-    cur = 1  # the first token comes from prefill
-    inp, emitted, ran, win = [], [], [], []
-    prev = None
-    while cur < G:  # every cycle emits >= 1 token (acc_len >= 1, k >= 1 checked on input): at most G cycles
-        pos = cur - 1
-        w, il, r = propose(pos, acc_lens, drafted, prev)
-        a = min(int(acc_lens[w][pos]), il)
-        if a < 1:  # a trace or policy built around load_traces / Policy.parse: refuse rather than loop
-            raise ValueError(f"request {t.id}, policy {pol.name}: a cycle at position {pos} would emit {a} tokens")
-        inp.append(il)
-        emitted.append(a)
-        ran.append(r)
-        win.append(w)
-        prev = (w, a)
-        cur += a
-    return Trajectory(np.asarray(inp, np.int64), np.asarray(emitted, np.int64),
-                      np.asarray(ran, bool).reshape(-1, len(pol.methods)), np.asarray(win, np.int64))
+    return trajectories([t], pol, [ctx])[0][0]
 
 
 def baseline_time(cost: CostModel, P, G, B):
@@ -148,11 +143,8 @@ def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, acc
     spec_tpt = np.zeros(len(B))
     # A batch-aware policy's trajectory depends on B: one per batch size; the others' once for all.
     cols = [slice(j, j + 1) for j in range(len(B))] if pol.batch_aware else [slice(None)]
-    per_b = []
-    for c in cols:
-        ctx = Context(cost, int(B[c][0]), accounting) if pol.batch_aware else None
-        trajs = [trajectory(t, pol, ctx) for t in reqs]
-        per_b.append(trajs)
+    per_b = trajectories(reqs, pol, [Context(cost, int(b), accounting) for b in B] if pol.batch_aware else [None])
+    for c, trajs in zip(cols, per_b):
         for t, traj in zip(reqs, trajs):
             base, spec, G = request_times(t, pol, traj, cost, B[c], accounting)
             base_tpt[c] += B[c] * G / base
@@ -183,7 +175,7 @@ def simulate_randmatch(traces, pol: RandMatch, cost: CostModel, batch_sizes, n_r
     mt_state = mt.get_state()
     if dc.kind != "relative":
         raise ValueError(f"policy {pol.name}: the random match model is for n-gram (relative-cost) drafters")
-    trajs = [trajectory(t, pol) for t in reqs]
+    trajs = trajectories(reqs, pol)[0]
     # Every cycle of every request, concatenated in the order the published simulator visits them.
     befores = [np.cumsum(tr.emitted) - tr.emitted for tr in trajs]  # tokens before each cycle = its position
     emitted = np.concatenate([tr.emitted for tr in trajs] + [np.zeros(0)]).astype(float)
@@ -216,12 +208,10 @@ def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes,
     reqs = sample_requests(traces, pol.methods, n_requests)
     if not reqs:
         raise ValueError(f"policy {pol.name}: no request has a trace for every one of {list(pol.methods)}")
-    trajs_by_b = []
+    ctxs = [Context(cost, int(B), accounting) for B in batch_sizes]
+    trajs_by_b = trajectories(reqs, pol, ctxs) if pol.batch_aware else trajectories(reqs, pol) * len(batch_sizes)
     speedups = []
-    for B in batch_sizes:
-        ctx = Context(cost, int(B), accounting)
-        trajs = [trajectory(t, pol, ctx) for t in reqs] if pol.batch_aware or not trajs_by_b else trajs_by_b[-1]
-        trajs_by_b.append(trajs)
+    for B, trajs in zip(batch_sizes, trajs_by_b):
         groups = [list(range(i, min(i + B, len(reqs)))) for i in range(0, len(reqs), B)]
         if len(groups) > 1 and len(groups[-1]) < B:
             groups = groups[:-1]  # a partial tail batch would mix batch sizes

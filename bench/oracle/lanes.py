@@ -1,0 +1,145 @@
+"""Lanes: many replays of one policy stepped together, as numpy arrays.
+
+A lane is one request replayed under one Context (batch size; the cost model and accounting are
+the same for every lane of a replay). Policies decide for many lanes at once (Policy.decide), so
+the simulators replay every request, and every batch size of a batch-aware policy, in one pass:
+- a stateless policy (its choice at a position depends on nothing it has seen) decides every
+  position of every lane in one call, and each lane's cycles are then read off by walking its
+  positions (walk_stateless);
+- a policy with state steps all lanes in lockstep, one cycle per step, each lane at its own
+  position, until every lane has finished (walk_lockstep).
+The per-lane arrays of a request (acc_len, draft_len per method) are stored once, flat, and a lane
+reads them at offset[lane] + pos.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .tracefile import generated_len
+
+
+class Lanes:
+    """traces x ctxs as lanes, context-major: lane c * len(traces) + r is request r under ctxs[c].
+    Traces without acc_len (an engine's row: id, prompt_len, drafted) give lanes of no positions,
+    for the policies that decide from the past only."""
+
+    def __init__(self, traces, ctxs, methods):
+        self.traces, self.ctxs, self.methods = list(traces), list(ctxs), tuple(methods)
+        R, C, W = len(self.traces), len(self.ctxs), len(self.methods)
+        given = [c for c in self.ctxs if c is not None]
+        if any(c.cost is not given[0].cost or c.accounting != given[0].accounting for c in given):
+            raise ValueError("lanes of one replay share a cost model and an accounting")
+        self.cost = given[0].cost if given else None
+        self.accounting = given[0].accounting if given else None
+        self.req = np.tile(np.arange(R), C)
+        self.batch = np.repeat(np.array([1 if c is None else c.batch_size for c in self.ctxs], dtype=np.int64), R)
+        self.prompt_len = np.array([t.prompt_len for t in self.traces], dtype=np.int64)[self.req]
+        with_acc = [getattr(t, "acc", None) is not None for t in self.traces]
+        G = np.array([generated_len(t, self.methods) if a else 0 for t, a in zip(self.traces, with_acc)], dtype=np.int64)
+        self.G = G[self.req]
+        n = np.maximum(G - 1, 0)  # positions a cycle can start at: 0 .. G - 2
+        self.positions = n  # per request
+        starts = np.concatenate(([0], np.cumsum(n)[:-1])) if R else np.zeros(0, dtype=np.int64)
+        self.offset = starts[self.req]
+        self.acc = np.ones((W, int(n.sum())), dtype=np.int64)
+        self.drafted = np.zeros((W, int(n.sum())), dtype=np.int64)
+        has = np.zeros((R, W), dtype=bool)
+        for r, t in enumerate(self.traces):
+            for j, m in enumerate(self.methods):
+                if with_acc[r]:
+                    self.acc[j, starts[r]:starts[r] + n[r]] = np.asarray(t.acc[m])[:n[r]]
+                d = (getattr(t, "drafted", None) or {}).get(m)
+                if d is not None:
+                    has[r, j] = True
+                    self.drafted[j, starts[r]:starts[r] + n[r]] = np.asarray(d)[:n[r]]
+        self.has = has[self.req]  # [lanes, methods]: the trace records method j's draft lengths
+
+    def __len__(self):
+        return len(self.req)
+
+    def by_request(self, per_request, fill=0) -> np.ndarray:
+        """Per-request arrays, one row per position (1-D, or 2-D with rows of any width), laid out
+        flat as acc and drafted are (read at offset[lane] + pos): each cut or padded with fill to its
+        request's G - 1 positions, and 2-D rows padded with fill to the widest."""
+        arrays = [np.asarray(a) for a in per_request]
+        width = max((a.shape[1] for a in arrays if a.ndim == 2), default=None)
+        out = []
+        for a, n in zip(arrays, self.positions.tolist()):
+            shape = (n,) if width is None else (n, width)
+            row = np.full(shape, fill, dtype=np.float64 if isinstance(fill, float) else a.dtype)
+            cut = a[:n] if width is None else a[:n, :width]
+            row[:len(cut)] = cut if width is None else np.pad(cut, ((0, 0), (0, width - cut.shape[1])),
+                                                               constant_values=fill)
+            out.append(row)
+        return np.concatenate(out) if out else np.full((0,) if width is None else (0, width), fill)
+
+    def step_times(self, idx, pos, ks: np.ndarray):
+        """For lanes idx at positions pos and draft counts ks: the target forward of a row in a batch
+        of B rows like it (verify, [n, len(ks)]: KV of B x (prompt + 1 + pos), B x (k + 1) tokens)
+        and each method's drafting for it ([W, n, len(ks)]), as Context.step_times prices one."""
+        B = self.batch[idx][:, None]
+        kv = B * (self.prompt_len[idx][:, None] + 1 + pos[:, None])
+        il = ks[None, :] + 1
+        verify = self.cost.verify(kv, B * il)
+        drafts = np.stack([self.cost.draft(m).time(verify, kv, il) for m in self.methods])
+        return verify, drafts
+
+
+def _check_emits(emitted, lanes: Lanes, idx, pos, pol) -> None:
+    bad = np.flatnonzero(emitted < 1)
+    if len(bad):  # a trace or policy built around load_traces / Policy.parse: refuse rather than loop
+        i = bad[0]
+        t = lanes.traces[lanes.req[idx[i]]]
+        raise ValueError(f"request {t.id}, policy {pol.name}: a cycle at position {int(pos[i])} would emit "
+                         f"{int(emitted[i])} tokens")
+
+
+def walk_stateless(pol, st, lanes: Lanes):
+    """Every position of every lane decided at once, then each lane's cycles read off from position
+    0: a cycle at pos emits e tokens and the next starts at pos + e. Returns the cycles as flat
+    arrays (lane, input_len, emitted, ran, winner), grouped by lane in cycle order."""
+    n = np.maximum(lanes.G - 1, 0)
+    idx = np.repeat(np.arange(len(lanes)), n)
+    pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    fi = lanes.offset[idx] + pos
+    w, drafts, ran = pol.decide(st, idx, pos, lanes.drafted[:, fi].T, lanes.has[idx])
+    il = drafts + 1
+    emitted = np.minimum(lanes.acc[w, fi], il)
+    e = emitted.tolist()
+    visited = []
+    base = 0
+    for count in n.tolist():  # the walk itself: sequential, one Python step per cycle
+        p = 0
+        while p < count:
+            visited.append(base + p)
+            if e[base + p] < 1:
+                _check_emits(emitted[base + p:base + p + 1], lanes, idx[base + p:base + p + 1], pos[base + p:base + p + 1], pol)
+            p += e[base + p]
+        base += count
+    v = np.asarray(visited, dtype=np.int64)
+    return idx[v], il[v], emitted[v], ran[v], w[v]
+
+
+def walk_lockstep(pol, st, lanes: Lanes):
+    """All lanes one cycle at a time, each at its own position, the policy deciding for the lanes
+    still running and learning their outcomes; as walk_stateless returns."""
+    cur = np.ones(len(lanes), dtype=np.int64)  # the first token comes from prefill
+    active = np.flatnonzero(lanes.G > 1)
+    out = []
+    while len(active):
+        pos = cur[active] - 1
+        fi = lanes.offset[active] + pos
+        w, drafts, ran = pol.decide(st, active, pos, lanes.drafted[:, fi].T, lanes.has[active])
+        il = drafts + 1
+        emitted = np.minimum(lanes.acc[w, fi], il)
+        _check_emits(emitted, lanes, active, pos, pol)
+        pol.learn(st, active, w, drafts, emitted)
+        out.append((active, il, emitted, ran, w))
+        cur[active] += emitted
+        active = active[cur[active] < lanes.G[active]]
+    if not out:
+        W = len(lanes.methods)
+        return (np.zeros(0, dtype=np.int64),) * 3 + (np.zeros((0, W), dtype=bool), np.zeros(0, dtype=np.int64))
+    lane, il, emitted, ran, w = (np.concatenate(x) for x in zip(*out))
+    order = np.argsort(lane, kind="stable")  # by lane, each lane's cycles in order
+    return lane[order], il[order], emitted[order], ran[order], w[order]
