@@ -430,3 +430,40 @@ def test_a_switching_policy_is_simulated_once_when_the_accountings_cannot_differ
         c = df[df.policy == "combined:ngram+eagle"].pivot_table(index="batch_size", columns="accounting",
                                                                 values="speedup")
         assert (c.optimistic > c.faithful).all()
+
+
+@pytest.mark.parametrize("spec", REALIZABLE + ["fixed:ngram:3", "oracle:eagle", "combined:ngram+eagle",
+                                              "fallback:ngram+eagle:3", "dp:ngram+eagle:4"])
+@pytest.mark.parametrize("accounting", ["optimistic", "faithful"])
+def test_many_replays_at_once_equal_each_replayed_alone(spec, accounting):
+    """trajectories steps every request under every batch size together (lanes, in lockstep where a
+    policy has state); each lane's cycles must be those of its request replayed alone: no state
+    leaks between lanes, requests of different lengths included."""
+    from bench.oracle.simulate import trajectories
+
+    rng = np.random.default_rng(21)
+    traces = [random_trace(rng, G=int(rng.integers(2, 70)), P=int(rng.integers(5, 40)), tid=str(i)) for i in range(7)]
+    pol = Policy.parse(spec)
+    ctxs = [Context(COST, b, accounting) for b in (1, 4, 32)] if pol.batch_aware else [None]
+    together = trajectories(traces, pol, ctxs)
+    for ctx, per_request in zip(ctxs, together):
+        for t, got in zip(traces, per_request):
+            alone = trajectory(t, pol, ctx)
+            assert _same(got, alone), (spec, t.id)
+    assert sum(len(x.emitted) for x in together[0]) > 7  # the lanes ran cycles
+
+
+def test_trace_files_in_parallel_give_the_rows_and_messages_of_one_process(tmp_path):
+    """run(jobs=2) simulates each trace file in a process of its own: the same table, and the same
+    messages in the same (file) order, as one process."""
+    a = _toy_file(tmp_path)
+    (tmp_path / "b").mkdir()
+    b = _toy_file(tmp_path / "b", drafted=False).rename(tmp_path / "combined_other.jsonl")  # match n/a there, and said
+    said = {1: [], 2: []}
+    dfs = {j: run([a, b], COST, [1, 4], ["optimistic", "faithful"], None, 16, warn=said[j].append, jobs=j)
+           for j in (1, 2)}
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(dfs[1], dfs[2])
+    assert said[1] == said[2] and any("n/a on other" in m for m in said[1])
+    assert set(dfs[1].dataset) == {"toy", "other"}

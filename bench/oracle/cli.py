@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,8 +49,14 @@ def main(argv=None) -> int:
                          "record no match_len: bench/ngram.py's prompt lookup over prompt + generated tokens, match "
                          "lengths MIN..MAX, up to K tokens (default 3:7:20:earliest, which reproduces the published "
                          "traces' n-gram); how often it agrees with the trace's acc_len is printed")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="trace files simulated at once, each in a process of its own (default: the CPUs this process "
+                         "may use; 1: one after another in this process); the results are the same")
     ap.add_argument("--out", default="oracle_results", help="output folder")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        print(f"specsweep-oracle: --jobs must be at least 1, got {a.jobs}", file=sys.stderr)
+        return 2
     if any(b < 1 for b in a.batch_sizes):
         print(f"specsweep-oracle: --batch-sizes must be positive, got {a.batch_sizes}", file=sys.stderr)
         return 2
@@ -62,7 +69,8 @@ def main(argv=None) -> int:
         charges = {None: [None], "both": ["cycle", "step"]}.get(a.neural_draft_charge, [a.neural_draft_charge])
         df = pd.concat([run(a.traces, cost if per is None else with_neural_charge(cost, per), a.batch_sizes, accountings,
                             a.policies, a.requests, a.batch_mode, a.tune,
-                            warn=lambda m: print(f"specsweep-oracle: {m}", file=sys.stderr), lookups=lookups)
+                            warn=lambda m: print(f"specsweep-oracle: {m}", file=sys.stderr), lookups=lookups,
+                            jobs=a.jobs)
                         for per in charges], ignore_index=True)
     except (TraceError, ValueError) as e:
         print(f"specsweep-oracle: {e}", file=sys.stderr)

@@ -210,45 +210,78 @@ def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes,
         raise ValueError(f"policy {pol.name}: no request has a trace for every one of {list(pol.methods)}")
     ctxs = [Context(cost, int(B), accounting) for B in batch_sizes]
     trajs_by_b = trajectories(reqs, pol, ctxs) if pol.batch_aware else trajectories(reqs, pol) * len(batch_sizes)
+    P = np.array([t.prompt_len for t in reqs], dtype=np.int64)
+    G = np.array([generated_len(t, pol.methods) for t in reqs], dtype=np.int64)
     speedups = []
     for B, trajs in zip(batch_sizes, trajs_by_b):
-        groups = [list(range(i, min(i + B, len(reqs)))) for i in range(0, len(reqs), B)]
-        if len(groups) > 1 and len(groups[-1]) < B:
-            groups = groups[:-1]  # a partial tail batch would mix batch sizes
-        tok = base_t = spec_t = 0.0
-        for g in groups:
-            P = np.array([reqs[i].prompt_len for i in g], float)
-            G = np.array([generated_len(reqs[i], pol.methods) for i in g], float)
-            tok += G.sum()
-            pre = cost.prefill(P.sum()) + cost.overhead_per_step
-            # baseline: step s decodes the rows with G - 1 > s
-            S = int(G.max()) - 1
-            s = np.arange(S)[None, :]
-            act = s < (G - 1)[:, None]
-            kv = np.where(act, (P + 1)[:, None] + s, 0.0)
-            base_t += pre + (cost.verify(kv.sum(0), act.sum(0)) + cost.overhead_per_step).sum()
-            # speculative: pad the rows' trajectories to the longest
-            T = max(len(trajs[i].emitted) for i in g)
-            il = np.zeros((len(g), T))
-            emitted = np.zeros((len(g), T))
-            ran = np.zeros((len(g), T, len(pol.methods)), bool)
-            win = np.full((len(g), T), -1)
-            for r, i in enumerate(g):
-                n = len(trajs[i].emitted)
-                il[r, :n], emitted[r, :n], ran[r, :n], win[r, :n] = (trajs[i].input_len, trajs[i].emitted,
-                                                                    trajs[i].ran, trajs[i].winner)
-            act = il > 0
-            kv = np.where(act, (P + 1)[:, None] + np.cumsum(emitted, 1) - emitted, 0.0)
-            verify = cost.verify(kv.sum(0), il.sum(0))
-            draft = np.where(act, pol.draft_time(cost, accounting, ran, verify[None, :], kv, il), 0.0).max(0)
-            step = verify + draft + cost.overhead_per_step
-            if pol.charges_switching(accounting) and T > 1:
-                switched = ((win[:, 1:] != win[:, :-1]) & act[:, 1:]).any(0)
-                step[1:] += switched * cost.switching_cost
-            spec_t += pre + step.sum()
+        # consecutive groups of B; a partial tail batch would mix batch sizes (unless it is the only one)
+        rows = len(reqs) if len(reqs) < B else len(reqs) // B * B
+        tok, base_t, spec_t = _set_batches(cost, pol, accounting, P[:rows], G[:rows], trajs[:rows], int(B))
         speedups.append((tok / spec_t) / (tok / base_t))
     return _result(batch_sizes, speedups, trajs_by_b[0] if trajs_by_b else [], len(reqs),
                    trajs_by_b if pol.batch_aware else None)
+
+
+def _group_sums(values: np.ndarray, lengths: np.ndarray) -> list[float]:
+    """Per group, the sum of its run of values (np.sum of each slice, as one group's array sums)."""
+    ends = np.cumsum(lengths)
+    return [float(values[e - n:e].sum()) for e, n in zip(ends.tolist(), lengths.tolist())]
+
+
+def _set_batches(cost: CostModel, pol: Policy, accounting: str, P, G, trajs, B: int):
+    """Tokens and the baseline's and policy's seconds over batches of B consecutive rows (the last
+    may be short): in a step every active row's cycle is verified in one forward, which waits for
+    the slowest row's drafting; rows leave when they finish. All batches at once: each row's
+    cycles are laid out at (batch, step) and the forwards' tokens summed per step."""
+    n_rows = len(P)
+    group = np.arange(n_rows) // B
+    n_groups = int(group[-1]) + 1 if n_rows else 0
+    pre = [cost.prefill(float(p)) + cost.overhead_per_step for p in np.bincount(group, weights=P, minlength=n_groups)]
+    tok = [float(g) for g in np.bincount(group, weights=G, minlength=n_groups)]
+
+    def per_step(length_per_row):
+        """Each row's steps 0 .. length - 1 at its batch's steps (a batch as long as its longest row):
+        (flat step index of every row step, step of it within the row, steps per batch)."""
+        steps = np.zeros(n_groups, dtype=np.int64)
+        np.maximum.at(steps, group, length_per_row)
+        first = np.cumsum(steps) - steps
+        within = np.arange(int(length_per_row.sum())) - np.repeat(np.cumsum(length_per_row) - length_per_row, length_per_row)
+        return np.repeat(first[group], length_per_row) + within, within, steps
+
+    # baseline: step s decodes the rows with G - 1 > s, each at KV P + 1 + s
+    at, s, steps = per_step(np.maximum(G - 1, 0))
+    n = int(steps.sum())
+    kv = np.bincount(at, weights=np.repeat(P + 1, np.maximum(G - 1, 0)) + s, minlength=n)
+    active = np.bincount(at, minlength=n)
+    base = _group_sums(cost.verify(kv, active) + cost.overhead_per_step, steps)
+    # speculative: cycle c of a row verifies il[c] tokens at KV P + 1 + the tokens emitted before it
+    cycles = np.array([len(t.emitted) for t in trajs], dtype=np.int64)
+    at, c, steps = per_step(cycles)
+    n = int(steps.sum())
+    il = np.concatenate([t.input_len for t in trajs] + [np.zeros(0, dtype=np.int64)])
+    emitted = np.concatenate([t.emitted for t in trajs] + [np.zeros(0, dtype=np.int64)])
+    ran = np.concatenate([t.ran for t in trajs] + [np.zeros((0, len(pol.methods)), dtype=bool)])
+    win = np.concatenate([t.winner for t in trajs] + [np.zeros(0, dtype=np.int64)])
+    before = np.cumsum(emitted) - emitted  # tokens emitted before each cycle, over all rows
+    row_first = np.minimum(np.cumsum(cycles) - cycles, max(len(before) - 1, 0))  # a row without cycles repeats none
+    row_kv = np.repeat(P + 1, cycles) + before - np.repeat(before[row_first] if len(before) else cycles, cycles)
+    verify = cost.verify(np.bincount(at, weights=row_kv, minlength=n), np.bincount(at, weights=il, minlength=n))
+    draft = np.zeros(n)
+    np.maximum.at(draft, at, pol.draft_time(cost, accounting, ran, verify[at], row_kv.astype(np.float64),
+                                             il.astype(np.float64)))
+    step = verify + draft + cost.overhead_per_step
+    if pol.charges_switching(accounting):  # a step where any row's drafter changed from its last cycle
+        switched = np.zeros(n, dtype=bool)
+        changed = np.flatnonzero((c[1:] > 0) & (win[1:] != win[:-1])) + 1
+        switched[at[changed]] = True
+        step = step + switched * cost.switching_cost
+    spec = _group_sums(step, steps)
+    tok_sum = base_sum = spec_sum = 0.0
+    for g in range(n_groups):  # summed batch by batch, in order
+        tok_sum += tok[g]
+        base_sum += pre[g] + base[g]
+        spec_sum += pre[g] + spec[g]
+    return tok_sum, base_sum, spec_sum
 
 
 TUNE_SEED = 7  # the fixed split of --tune: which sampled requests fit parameters, which are scored
@@ -304,7 +337,7 @@ def _warn_read_as_published(traces, dataset: str, warn) -> None:
 
 
 def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=None, n_requests: int = 300,
-        batch_mode: str = "set", tune: bool = False, warn=None, lookups=()):
+        batch_mode: str = "set", tune: bool = False, warn=None, lookups=(), jobs: int = 1):
     """Every policy x accounting x batch size for every trace file; returns a DataFrame.
 
     tune: parameters of the policies that have a tune_grid are fitted on one half of the sampled
@@ -313,73 +346,100 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     (draft_len, match_len, draft_prob) is n/a there: skipped, and warn(message) says so.
     lookups: (method, knobs) pairs whose lookup is recomputed from the token ids where a trace
     records no match_len (tracefile.recompute_lookup); warn says how often it agrees with the
-    trace's acc_len."""
+    trace's acc_len. jobs: trace files simulated in that many processes at once (each file is
+    independent; the rows and messages come back in file order, the same as with one)."""
     import pandas as pd
 
-    from ..costmodel import neural_charge
+    args = (cost, batch_sizes, accountings, policy_specs, n_requests, batch_mode, tune, warn is not None, tuple(lookups))
+    files = [str(f) for f in trace_files]
+    if jobs > 1 and len(files) > 1:
+        from concurrent.futures import ProcessPoolExecutor
 
-    sim = _simulator(batch_mode)
+        with ProcessPoolExecutor(max_workers=min(jobs, len(files))) as pool:
+            # the largest files first, so that no worker is left with a large one at the end
+            by_size = sorted(files, key=lambda f: -Path(f).stat().st_size)
+            futures = {f: pool.submit(_file_rows, f, *args) for f in by_size}
+            results = [futures[f] for f in files]
+            results = [r.result() for r in results]
+    else:
+        results = (_file_rows(f, *args) for f in files)
     rows = []
-    for f in trace_files:
-        traces = load_traces(f)
-        dataset = Path(f).stem.removeprefix("combined_")
-        if warn is not None:
-            _warn_read_as_published(traces, dataset, warn)
-        for method, knobs in lookups:
-            knobs = dict(knobs)
-            k = knobs.pop("k")
-            got = recompute_lookup(traces, method, k, **knobs)
-            if warn is not None:
-                share = f"{got['agree'] / got['positions']:.2%}" if got["positions"] else "-"
-                how = (f"match lengths {knobs['min_ngram']}-{knobs['max_ngram']}, "
-                       f"{'latest' if knobs['prefer_recent'] else 'earliest'} occurrence, up to {k} tokens")
-                when = ("prompt + generated[:i], the published traces' alignment" if got["context_offset"] == 0
-                        else "prompt + generated[:i + 1], specsweep's alignment")
-                warn(f"{dataset}: {method}'s lookup recomputed from the token ids of {got['traces']} traces ({how}; "
-                     f"position i drafted from {when}, the one that agrees more); its acc_len agrees with the "
-                     f"trace's at {share} of {got['positions']} positions")
-        methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
-        pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
-        if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
-            pols += [RandMatch((m,), k) for m in methods if is_lookup(m) for k in (1, 3, 5)]
-        if not policy_specs:  # the adaptive rules and the dp bound come after the published ones
-            pols += adaptive_defaults(methods, conf_kmax=confidence_width(traces))
-        for pol in pols:
-            _check_methods(traces, pol)
-            lacking = lacking_signals(traces, pol)
-            if lacking:
-                if policy_specs and warn is None:
-                    raise ValueError(f"policy {pol.name}: n/a on {f}: it needs the {pol.say_missing(lacking)}, which "
-                                     "the traces do not record")
-                if warn is not None:
-                    warn(f"policy {pol.name}: n/a on {dataset} (the traces record no {pol.say_missing(lacking)})")
-                continue
-            simulated = accountings if pol.accounting_matters(cost) else accountings[:1]  # the same in both
-            for accounting in simulated:
-                if tune:
-                    fit, score = tune_split(traces, pol.methods, n_requests)
-                    tuned = (_tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset)
-                             if hasattr(pol, "tune_grid") else [pol] * len(batch_sizes))
-                    template = pol.name if hasattr(pol, "tune_grid") else None
-                    runs = [(c, sim(score, c, cost, [b], accounting, len(score), dataset), template)
-                            for c, b in zip(tuned, batch_sizes)]
-                else:
-                    runs = [(pol, sim(traces, pol, cost, batch_sizes, accounting, n_requests, dataset), None)]
-                for p, r, template in runs:
-                    tpf = r.get("tokens_per_forward_by_batch") or [r["tokens_per_forward"]] * len(r["batch_sizes"])
-                    for b, s, tp in zip(r["batch_sizes"], r["speedup"], tpf):
-                        for a in (accountings if len(simulated) == 1 else [accounting]):
-                            rows.append({"dataset": dataset, "policy": p.name, "kind": p.kind,
-                                         "methods": "+".join(p.methods), "k": p.k or None, "batch_size": b,
-                                         "accounting": a, "speedup": s, "tokens_per_forward": tp,
-                                         "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode,
-                                         "realizable": p.realizable,
-                                         "approximate": p.kind == "dp" and b > 1,
-                                         "neural_draft_charge": neural_charge(cost),
-                                         "half": "score" if tune else "all", "tuned_from": template})
+    for file_rows, messages in results:
+        for m in messages:
+            warn(m)
+        rows += file_rows
     if not rows:
         raise ValueError("no rows: every policy asked for is n/a on these traces (see above)")
     return add_gap_closed(pd.DataFrame(rows))
+
+
+def _file_rows(f: str, cost: CostModel, batch_sizes, accountings, policy_specs, n_requests: int, batch_mode: str,
+               tune: bool, say_na: bool, lookups) -> tuple[list[dict], list[str]]:
+    """run's rows for one trace file, and the messages for its warn (none unless say_na: then a
+    policy n/a on the file is skipped and said, else it is an error)."""
+    from ..costmodel import neural_charge
+
+    messages = []
+    warn = messages.append if say_na else None
+    sim = _simulator(batch_mode)
+    rows = []
+    traces = load_traces(f)
+    dataset = Path(f).stem.removeprefix("combined_")
+    if warn is not None:
+        _warn_read_as_published(traces, dataset, warn)
+    for method, knobs in lookups:
+        knobs = dict(knobs)
+        k = knobs.pop("k")
+        got = recompute_lookup(traces, method, k, **knobs)
+        if warn is not None:
+            share = f"{got['agree'] / got['positions']:.2%}" if got["positions"] else "-"
+            how = (f"match lengths {knobs['min_ngram']}-{knobs['max_ngram']}, "
+                   f"{'latest' if knobs['prefer_recent'] else 'earliest'} occurrence, up to {k} tokens")
+            when = ("prompt + generated[:i], the published traces' alignment" if got["context_offset"] == 0
+                    else "prompt + generated[:i + 1], specsweep's alignment")
+            warn(f"{dataset}: {method}'s lookup recomputed from the token ids of {got['traces']} traces ({how}; "
+                 f"position i drafted from {when}, the one that agrees more); its acc_len agrees with the "
+                 f"trace's at {share} of {got['positions']} positions")
+    methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
+    pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
+    if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
+        pols += [RandMatch((m,), k) for m in methods if is_lookup(m) for k in (1, 3, 5)]
+    if not policy_specs:  # the adaptive rules and the dp bound come after the published ones
+        pols += adaptive_defaults(methods, conf_kmax=confidence_width(traces))
+    for pol in pols:
+        _check_methods(traces, pol)
+        lacking = lacking_signals(traces, pol)
+        if lacking:
+            if policy_specs and warn is None:
+                raise ValueError(f"policy {pol.name}: n/a on {f}: it needs the {pol.say_missing(lacking)}, which "
+                                 "the traces do not record")
+            if warn is not None:
+                warn(f"policy {pol.name}: n/a on {dataset} (the traces record no {pol.say_missing(lacking)})")
+            continue
+        simulated = accountings if pol.accounting_matters(cost) else accountings[:1]  # the same in both
+        for accounting in simulated:
+            if tune:
+                fit, score = tune_split(traces, pol.methods, n_requests)
+                tuned = (_tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset)
+                         if hasattr(pol, "tune_grid") else [pol] * len(batch_sizes))
+                template = pol.name if hasattr(pol, "tune_grid") else None
+                runs = [(c, sim(score, c, cost, [b], accounting, len(score), dataset), template)
+                        for c, b in zip(tuned, batch_sizes)]
+            else:
+                runs = [(pol, sim(traces, pol, cost, batch_sizes, accounting, n_requests, dataset), None)]
+            for p, r, template in runs:
+                tpf = r.get("tokens_per_forward_by_batch") or [r["tokens_per_forward"]] * len(r["batch_sizes"])
+                for b, s, tp in zip(r["batch_sizes"], r["speedup"], tpf):
+                    for a in (accountings if len(simulated) == 1 else [accounting]):
+                        rows.append({"dataset": dataset, "policy": p.name, "kind": p.kind,
+                                     "methods": "+".join(p.methods), "k": p.k or None, "batch_size": b,
+                                     "accounting": a, "speedup": s, "tokens_per_forward": tp,
+                                     "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode,
+                                     "realizable": p.realizable,
+                                     "approximate": p.kind == "dp" and b > 1,
+                                     "neural_draft_charge": neural_charge(cost),
+                                     "half": "score" if tune else "all", "tuned_from": template})
+    return rows, messages
 
 
 GAP_KEYS = ["dataset", "batch_size", "accounting", "neural_draft_charge", "half"]
