@@ -96,7 +96,7 @@ def main():
     res = {"cpu": cpu_identity()["cpu"], "threads": torch.get_num_threads(), "loadavg_start": load_average(),
            "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     model, tok, args, path = load_model("gemma3-270m")
-    res["kernels"] = kernels.tune([p for p in model.parameters() if p.dim() == 2])
+    res["kernels"] = kernels.tune(model.matrices())
     print("kernels: " + "; ".join(f"{k}: {v}" for k, v in res["kernels"].items()), flush=True)
 
     bw = read_bandwidth_gbs()

@@ -66,5 +66,32 @@ def test_the_engine_records_its_plan(tiny_llama):
     b = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=3)
     plans = b.describe()["kernels"]
     assert plans and all("up to" in v for v in plans.values())
-    shapes = {f"{p.shape[0]}x{p.shape[1]} float32" for p in b.model.parameters() if p.dim() == 2}
+    # the matrices the forward multiplies: q/k/v and gate/up fused (model.fuse_projections), not their parts
+    shapes = {f"{p.shape[0]}x{p.shape[1]} float32" for p in b.model.matrices()}
+    attn, ffn = b.model.layers[0].attn, b.model.layers[0].ffn
+    assert f"{attn.wqkv.shape[0]}x{attn.wqkv.shape[1]} float32" in shapes and ffn.w_gate_up.shape[0] == 2 * ffn.w_up.weight.shape[0]
     assert set(plans) == shapes
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_projections_give_the_separate_products_logits(tmp_path, arch):
+    """load_model fuses each layer's q/k/v and gate/up products (fewer, larger products read
+    nearer the machine's bandwidth): same logits as the separate products, biases included
+    (qwen2 has q/k/v biases), and the separate weights are views of the fused ones, not copies."""
+    from backends.native.loading import load_model
+    from bench.tiny_models import build_tiny_llama
+
+    model, *_ = load_model(str(build_tiny_llama(tmp_path / arch, arch=arch)))
+    attn, ffn = model.layers[0].attn, model.layers[0].ffn
+    assert attn.wqkv is not None and ffn.w_gate_up is not None and (attn.bqkv is not None) == (arch == "qwen2")
+    assert attn.wv.weight.untyped_storage().data_ptr() == attn.wqkv.untyped_storage().data_ptr()
+    assert ffn.w_up.weight.untyped_storage().data_ptr() == ffn.w_gate_up.untyped_storage().data_ptr()
+    ids, pos = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4]]), torch.arange(8)[None]
+    with torch.inference_mode():
+        model.setup_cache(1, 16)
+        fused = model(ids, pos)
+        for layer in model.layers:
+            layer.attn.wqkv = layer.attn.bqkv = layer.ffn.w_gate_up = None
+        separate = model(ids, pos)
+    assert fused.shape == separate.shape and fused.abs().max() > 0
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)

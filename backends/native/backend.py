@@ -155,7 +155,7 @@ class NativeBackend(Backend):
         modules = [self.model]
         for obj in (self.drafter, getattr(self.drafter, "neural", None)):  # a combined drafter's head too
             modules += [m for m in (getattr(obj, "model", None), getattr(obj, "head", None)) if isinstance(m, torch.nn.Module)]
-        return [p for m in modules for p in m.parameters() if p.dim() == 2]
+        return [p for m in modules for p in (m.matrices() if isinstance(m, Transformer) else m.parameters()) if p.dim() == 2]
 
     def _make_drafter(self, name: str, m: dict):
         k, n_layers, vocab = self.k, self.args.n_layers, m.get("draft_vocab")

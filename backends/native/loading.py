@@ -271,6 +271,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", progress=
         raise ValueError(f"{path}: weights missing for {absent[:5]}{' ...' if len(absent) > 5 else ''}")
     model = model.to(device=device, dtype=dtypes[dtype]).eval()
     model.requires_grad_(False)
+    model.fuse_projections()
     return model, Tokenizer.from_file(str(tok_file)), args, p
 
 

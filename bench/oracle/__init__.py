@@ -35,7 +35,9 @@ The package:
                 lookup's draft_len and match_len recomputed from token ids (--lookup-from-tokens);
 - policies.py   Policy, Context, the published policies, POLICIES, Policy.parse, default_policies;
 - adaptive.py   the realizable adaptive policies; dp.py the dp bound;
-- simulate.py   trajectory, request_times, simulate (repeat batches, as published),
+- lanes.py      Lanes (requests x contexts replayed together as arrays), walk_stateless, walk_lockstep;
+- simulate.py   trajectories (every request at once), trajectory (one), request_times, simulate (repeat
+                batches, as published),
                 simulate_randmatch, simulate_set (batches of different requests), run (the table),
                 tune_split, add_gap_closed;
 - reporting.py  summary_markdown, plot;
@@ -46,11 +48,11 @@ from .policies import (POLICIES, Combined, Confidence, Context, Dp, Ema, Fallbac
                        PolicyError, RandMatch, Schedule, Ucb, default_policies)
 from .reporting import plot, summary_markdown
 from .simulate import (PUBLISHED_MATCH_PROB, SAMPLE_SEED, TUNE_SEED, Trajectory, add_gap_closed, request_times, run,
-                       sample_requests, simulate, simulate_randmatch, simulate_set, trajectory, tune_split)
+                       sample_requests, simulate, simulate_randmatch, simulate_set, trajectories, trajectory, tune_split)
 from .tracefile import Trace, TraceError, generated_len, load_traces
 
 __all__ = ["Combined", "Confidence", "Context", "Dp", "Ema", "Fallback", "FixedK", "Goodput", "Match", "OracleK", "POLICIES",
            "PUBLISHED_MATCH_PROB", "Policy", "PolicyError", "RandMatch", "SAMPLE_SEED", "Schedule", "TUNE_SEED", "Trace",
            "TraceError", "Trajectory", "Ucb", "add_gap_closed", "default_policies", "generated_len", "load_traces", "main",
            "plot", "request_times", "run", "sample_requests", "simulate", "simulate_randmatch", "simulate_set",
-           "summary_markdown", "trajectory", "tune_split"]
+           "summary_markdown", "trajectories", "trajectory", "tune_split"]

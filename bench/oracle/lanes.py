@@ -94,11 +94,17 @@ def _check_emits(emitted, lanes: Lanes, idx, pos, pol) -> None:
                          f"{int(emitted[i])} tokens")
 
 
+def _no_cycles(W: int):
+    return (np.zeros(0, dtype=np.int64),) * 3 + (np.zeros((0, W), dtype=bool), np.zeros(0, dtype=np.int64))
+
+
 def walk_stateless(pol, st, lanes: Lanes):
     """Every position of every lane decided at once, then each lane's cycles read off from position
     0: a cycle at pos emits e tokens and the next starts at pos + e. Returns the cycles as flat
     arrays (lane, input_len, emitted, ran, winner), grouped by lane in cycle order."""
     n = np.maximum(lanes.G - 1, 0)
+    if not n.any():  # nothing to decide (every generation a single token)
+        return _no_cycles(len(lanes.methods))
     idx = np.repeat(np.arange(len(lanes)), n)
     pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
     fi = lanes.offset[idx] + pos
@@ -138,8 +144,7 @@ def walk_lockstep(pol, st, lanes: Lanes):
         cur[active] += emitted
         active = active[cur[active] < lanes.G[active]]
     if not out:
-        W = len(lanes.methods)
-        return (np.zeros(0, dtype=np.int64),) * 3 + (np.zeros((0, W), dtype=bool), np.zeros(0, dtype=np.int64))
+        return _no_cycles(len(lanes.methods))
     lane, il, emitted, ran, w = (np.concatenate(x) for x in zip(*out))
     order = np.argsort(lane, kind="stable")  # by lane, each lane's cycles in order
     return lane[order], il[order], emitted[order], ran[order], w[order]
