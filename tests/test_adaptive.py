@@ -467,3 +467,26 @@ def test_trace_files_in_parallel_give_the_rows_and_messages_of_one_process(tmp_p
     pd.testing.assert_frame_equal(dfs[1], dfs[2])
     assert said[1] == said[2] and any("n/a on other" in m for m in said[1])
     assert set(dfs[1].dataset) == {"toy", "other"}
+
+
+@pytest.mark.parametrize("spec", [s for s in REALIZABLE if not s.startswith("conf")])
+def test_the_engines_one_row_calls_make_the_replays_choices(spec):
+    """backends/native/adaptive.py drives a rule one row at a time (begin, then choose and observe
+    each cycle, for as many cycles as a generation has): fed the outcomes of the replay of a trace,
+    it makes the replay's choices, cycle by cycle."""
+    from types import SimpleNamespace as Row
+
+    t = random_trace(np.random.default_rng(3), G=90)
+    pol = Policy.parse(spec)
+    ctx = Context(COST, 4, "faithful") if pol.batch_aware else None
+    replay = trajectory(t, pol, ctx)
+    st = pol.begin(Row(id=t.id, prompt_len=t.prompt_len, drafted={}), ctx)
+    pos = 0
+    for w_replay, il_replay, emitted in zip(replay.winner, replay.input_len, replay.emitted):
+        avail = [int(t.drafted[m][pos]) if m in t.drafted else None for m in pol.methods]
+        w, k, _ = pol.choose(st, pos, avail)
+        drafts = k if avail[w] is None else min(k, avail[w])
+        assert (w, drafts + 1) == (w_replay, il_replay), (spec, pos)
+        pol.observe(st, w, drafts, int(emitted))
+        pos += int(emitted)
+    assert len(replay.emitted) > 20

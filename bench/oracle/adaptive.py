@@ -269,18 +269,19 @@ class Ucb(Adaptive):
         _need_context(self, lanes)
         arms = np.array([(w, k) for w in range(len(self.methods)) for k in self.ks])
         L = len(lanes)
-        # log N for every cycle count a lane can reach, as math.log gives it
-        logs = np.array([0.0] + [math.log(i) for i in range(1, int(lanes.G.max(initial=1)) + 1)])
         return SimpleNamespace(lanes=lanes, arm_w=arms[:, 0], arm_k=arms[:, 1], n=np.zeros((L, len(arms))),
                                mean=np.zeros((L, len(arms))), last=np.zeros(L, dtype=np.int64), rel=np.ones(L),
-                               prev=np.full(L, -1), log=logs)
+                               prev=np.full(L, -1), log=np.zeros(1))
 
     def choose_lanes(self, st, idx, pos, avail, has):
         lanes, rows = st.lanes, np.arange(len(idx))
         n = st.n[idx]
         unplayed = n == 0
+        cycles = n.sum(1).astype(np.int64)
+        if cycles.max(initial=0) >= len(st.log):  # log N for the cycle counts reached, as math.log gives it
+            st.log = np.array([0.0] + [math.log(i) for i in range(1, 2 * int(cycles.max()) + 2)])
         with np.errstate(divide="ignore", invalid="ignore"):
-            score = st.mean[idx] + np.sqrt(2 * st.log[n.sum(1).astype(np.int64)][:, None] / n)
+            score = st.mean[idx] + np.sqrt(2 * st.log[cycles][:, None] / n)
         a = np.where(unplayed.any(1), unplayed.argmax(1), score.argmax(1))  # every arm once, in order
         w, k = st.arm_w[a], st.arm_k[a]
         drafts = np.where(has[rows, w], np.minimum(k, avail[rows, w]), k)

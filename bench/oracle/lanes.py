@@ -76,7 +76,8 @@ class Lanes:
     def step_times(self, idx, pos, ks: np.ndarray):
         """For lanes idx at positions pos and draft counts ks: the target forward of a row in a batch
         of B rows like it (verify, [n, len(ks)]: KV of B x (prompt + 1 + pos), B x (k + 1) tokens)
-        and each method's drafting for it ([W, n, len(ks)]), as Context.step_times prices one."""
+        and each method's drafting for it ([W, n, len(ks)]): what a batch-aware policy (goodput, ucb)
+        prices its choices by (exact at B = 1, where these are the simulators' own times)."""
         B = self.batch[idx][:, None]
         kv = B * (self.prompt_len[idx][:, None] + 1 + pos[:, None])
         il = ks[None, :] + 1

@@ -268,7 +268,7 @@ class RandMatch(Policy):
         return np.zeros(len(idx), dtype=np.int64), np.full(len(idx), self.k), np.ones((len(idx), 1), dtype=bool)
 
 
-# The adaptive policies and the dp bound subclass Policy and Context above, so they are imported
+# The adaptive policies and the dp bound subclass Policy above, so they are imported
 # here, after them, to join the registry (their modules import this one's names, already defined).
 from .adaptive import Confidence, Ema, Goodput, Match, Schedule, Ucb  # noqa: E402
 from .dp import Dp  # noqa: E402
