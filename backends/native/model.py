@@ -178,8 +178,8 @@ class Attention(nn.Module):
         """One [q; k; v] matrix (and bias) for the three projections: one product reads them in
         one stream instead of three calls on small matrices (gpt-fast's wqkv, vLLM's
         QKVParallelLinear). wq, wk and wv stay, as views into it: no second copy."""
-        self.wqkv = _fuse_rows(self.wq, self.wk, self.wv, "weight")
-        self.bqkv = _fuse_rows(self.wq, self.wk, self.wv, "bias") if self.wq.bias is not None else None
+        self.wqkv = _fuse_rows((self.wq, self.wk, self.wv), "weight")
+        self.bqkv = _fuse_rows((self.wq, self.wk, self.wv), "bias") if self.wq.bias is not None else None
 
     def project(self, x, cos, sin):
         """q [B, H, T, D] and k, v [B, T, kv, D], rotated: shared by the cached forward and by
@@ -223,7 +223,7 @@ class FeedForward(nn.Module):
 
     def fuse(self) -> None:
         """One [gate; up] matrix, as Attention.fuse does for q, k and v."""
-        self.w_gate_up = _fuse_rows(self.w_gate, self.w_up, "weight")
+        self.w_gate_up = _fuse_rows((self.w_gate, self.w_up), "weight")
 
     def forward(self, x):
         if self.w_gate_up is not None:
@@ -233,11 +233,10 @@ class FeedForward(nn.Module):
         return self.w_down(self.act(gate) * up)
 
 
-def _fuse_rows(*parts) -> Tensor:
-    """The named tensor of each Linear in parts (weight or bias), stacked along the output rows into
+def _fuse_rows(mods, name: str) -> Tensor:
+    """The named tensor (weight or bias) of each Linear in mods, stacked along the output rows into
     one new tensor; each Linear's own becomes a view of its rows of it (the same values, no copy
     kept). Inference only: the views are not trainable."""
-    *mods, name = parts
     fused = torch.cat([getattr(m, name).detach() for m in mods])
     start = 0
     for m in mods:

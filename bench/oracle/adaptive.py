@@ -332,8 +332,7 @@ class Schedule(Adaptive):
     stateless = True
 
     def lanes_state(self, lanes):
-        if any(c is None for c in lanes.ctxs):
-            _need_context(self, lanes)
+        _need_context(self, lanes)
         return SimpleNamespace(lanes=lanes, k=np.array([self.k_for(int(b)) for b in lanes.batch], dtype=np.int64))
 
     def choose_lanes(self, st, idx, pos, avail, has):

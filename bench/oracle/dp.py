@@ -26,8 +26,8 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
     """The least-time plans of every lane (lanes.Lanes: requests x contexts) at once: per lane,
     position cur (1 .. G - 1; row offset[lane] + cur of the tables) and previous method (W: none
     yet), the best (method, k) of the cycle starting there and the seconds from there to the end
-    (cycles only: prefill is the same for every plan). Backwards over positions, every lane whose
-    generation reaches cur in one step of arrays."""
+    (cycles only: prefill is the same for every plan; only the choices are returned). Backwards
+    over positions, every lane whose generation reaches cur in one step of arrays."""
     W, K, cost = len(pol.methods), pol.k, lanes.cost
     G = lanes.G
     offset = np.concatenate(([0], np.cumsum(G + 1)[:-1])).astype(np.int64)
@@ -65,7 +65,7 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
         row = offset[A] + cur
         V[row] = np.take_along_axis(tot, w[:, :, None], 2)[:, :, 0]
         best_w[row], best_k[row] = w, np.take_along_axis(k, w, 1)
-    return SimpleNamespace(V=V, w=best_w, k=best_k, offset=offset)
+    return SimpleNamespace(w=best_w, k=best_k, offset=offset)
 
 
 @dataclass(frozen=True)

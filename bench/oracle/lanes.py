@@ -86,6 +86,12 @@ class Lanes:
         return verify, drafts
 
 
+def positions_within(lengths: np.ndarray) -> np.ndarray:
+    """For runs of the given lengths laid end to end, each element's index within its run:
+    [2, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
 def _check_emits(emitted, lanes: Lanes, idx, pos, pol) -> None:
     bad = np.flatnonzero(emitted < 1)
     if len(bad):  # a trace or policy built around load_traces / Policy.parse: refuse rather than loop
@@ -107,7 +113,7 @@ def walk_stateless(pol, st, lanes: Lanes):
     if not n.any():  # nothing to decide (every generation a single token)
         return _no_cycles(len(lanes.methods))
     idx = np.repeat(np.arange(len(lanes)), n)
-    pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    pos = positions_within(n)
     fi = lanes.offset[idx] + pos
     w, drafts, ran = pol.decide(st, idx, pos, lanes.drafted[:, fi].T, lanes.has[idx])
     il = drafts + 1

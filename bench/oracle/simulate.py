@@ -24,7 +24,7 @@ import numpy as np
 from .. import metrics
 from ..costmodel import CostModel
 from ..methods import is_lookup
-from .lanes import Lanes, walk_lockstep, walk_stateless
+from .lanes import Lanes, positions_within, walk_lockstep, walk_stateless
 from .policies import Context, Policy, RandMatch, default_policies
 from .tracefile import Trace, generated_len, load_traces, recompute_lookup
 
@@ -245,7 +245,7 @@ def _set_batches(cost: CostModel, pol: Policy, accounting: str, P, G, trajs, B: 
         steps = np.zeros(n_groups, dtype=np.int64)
         np.maximum.at(steps, group, length_per_row)
         first = np.cumsum(steps) - steps
-        within = np.arange(int(length_per_row.sum())) - np.repeat(np.cumsum(length_per_row) - length_per_row, length_per_row)
+        within = positions_within(length_per_row)
         return np.repeat(first[group], length_per_row) + within, within, steps
 
     # baseline: step s decodes the rows with G - 1 > s, each at KV P + 1 + s
@@ -262,9 +262,10 @@ def _set_batches(cost: CostModel, pol: Policy, accounting: str, P, G, trajs, B: 
     emitted = np.concatenate([t.emitted for t in trajs] + [np.zeros(0, dtype=np.int64)])
     ran = np.concatenate([t.ran for t in trajs] + [np.zeros((0, len(pol.methods)), dtype=bool)])
     win = np.concatenate([t.winner for t in trajs] + [np.zeros(0, dtype=np.int64)])
-    before = np.cumsum(emitted) - emitted  # tokens emitted before each cycle, over all rows
-    row_first = np.minimum(np.cumsum(cycles) - cycles, max(len(before) - 1, 0))  # a row without cycles repeats none
-    row_kv = np.repeat(P + 1, cycles) + before - np.repeat(before[row_first] if len(before) else cycles, cycles)
+    row_emitted = np.array([t.emitted.sum() for t in trajs], dtype=np.int64)
+    # tokens emitted before each cycle in its own row: before it over all rows, less the rows before
+    before = np.cumsum(emitted) - emitted - np.repeat(np.cumsum(row_emitted) - row_emitted, cycles)
+    row_kv = np.repeat(P + 1, cycles) + before
     verify = cost.verify(np.bincount(at, weights=row_kv, minlength=n), np.bincount(at, weights=il, minlength=n))
     draft = np.zeros(n)
     np.maximum.at(draft, at, pol.draft_time(cost, accounting, ran, verify[at], row_kv.astype(np.float64),
@@ -359,8 +360,7 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
             # the largest files first, so that no worker is left with a large one at the end
             by_size = sorted(files, key=lambda f: -Path(f).stat().st_size)
             futures = {f: pool.submit(_file_rows, f, *args) for f in by_size}
-            results = [futures[f] for f in files]
-            results = [r.result() for r in results]
+            results = [futures[f].result() for f in files]
     else:
         results = (_file_rows(f, *args) for f in files)
     rows = []
