@@ -243,6 +243,14 @@ class Backend(abc.ABC):
         adapter cannot tell."""
         return None
 
+    def matmul_flops_per_token(self) -> tuple[int, str] | None:
+        """The compute side of the roofline: FLOPs of the target's matrix products per token (2 x
+        the elements of every matrix a token is multiplied by, the output matrix included, an
+        embedding lookup not) and the torch dtype they run in, whose peak product rate the harness
+        measures. None where the adapter cannot tell, or where its kernels are not torch's (a
+        quantized GGUF's integer dot products run at another peak than any torch product)."""
+        return None
+
     def set_artifact_dir(self, path) -> None:
         """Where the engine may keep files of this job (server logs): the job's folder."""
 

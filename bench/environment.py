@@ -53,31 +53,94 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def probe_read_bandwidth_gbs(device: str = "cpu", reps: int = 4) -> float:
+    """One reading of the memory read bandwidth of this machine (CPU) or device (CUDA), in GB/s:
+    the best of `reps` sums over a 256 MiB buffer (far beyond any last-level cache; a roofline is
+    a best case), about 0.2 s with the buffer's allocation. The buffer is freed before returning.
+    On a shared machine one reading moves with the neighbours' load (25-50 GB/s within an hour
+    on one 2-core AMD EPYC), so a job takes several (RooflineProbes) and uses their median."""
+    import torch
+
+    a = torch.ones(2**26, dtype=torch.float32, device=device)
+    a.sum()
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        a.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    nbytes = a.numel() * a.element_size()
+    del a
+    return nbytes / best / 1e9
+
+
+def probe_matmul_gflops(device: str = "cpu", dtype: str = "float32", reps: int = 3) -> float:
+    """One reading of the peak dense matrix-product rate in `dtype`, GFLOP/s: the best of `reps`
+    square products (1024 on a CPU, about 15-30 ms each on 2 cores; 4096 on CUDA), the compute
+    side of a roofline. Large products run at or near the machine's peak FMA rate, which is what
+    a decode step of many rows is bound by once its weight reads are amortized."""
+    import torch
+
+    n = 4096 if device.startswith("cuda") else 1024
+    dt = getattr(torch, dtype)
+    a = torch.randn(n, n, device=device).to(dt)
+    b = torch.randn(n, n, device=device).to(dt)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+class RooflineProbes:
+    """The machine's read bandwidth and peak matrix-product rate, read several times over a job
+    (before the model loads and after each timed repeat, so the readings bracket the baseline's
+    own steps) and summarized by their medians, with the spread of the bandwidth readings: one
+    reading taken once per sweep made every row's roofline share move with the moment it was
+    taken. The compute rate is read only once the dtype is known (after the model loads)."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self.bandwidth: list[float] = []
+        self.gflops: list[float] = []
+        self.dtype: str | None = None
+
+    def take(self) -> None:
+        self.bandwidth.append(probe_read_bandwidth_gbs(self.device))
+        if self.dtype is not None:
+            self.gflops.append(probe_matmul_gflops(self.device, self.dtype))
+
+    def summary(self) -> dict:
+        import statistics
+
+        bw = statistics.median(self.bandwidth) if self.bandwidth else float("nan")
+        return {"read_bandwidth_gbs": bw, "read_bandwidth_probes": len(self.bandwidth),
+                "read_bandwidth_spread": (max(self.bandwidth) - min(self.bandwidth)) / bw if self.bandwidth else float("nan"),
+                "peak_gflops": statistics.median(self.gflops) if self.gflops else float("nan")}
+
+
 _BANDWIDTH: dict[str, float] = {}
 
 
-def read_bandwidth_gbs(device: str = "cpu", reps: int = 8) -> float:
-    """The memory read bandwidth of this machine (CPU) or device (CUDA), in GB/s: the best of
-    `reps` sums over a 256 MiB buffer (far beyond any last-level cache; a roofline is a best
-    case), about a second. Measured once per process and device (the runner does it before a
-    model loads, so the buffer never adds to the job's peak memory)."""
+def read_bandwidth_gbs(device: str = "cpu", probes: int = 3) -> float:
+    """The read bandwidth for a whole process (the benchmarks' one figure): the median of `probes`
+    readings, taken on first use and kept."""
     if device not in _BANDWIDTH:
-        import torch
+        import statistics
 
-        on_cuda = device.startswith("cuda")
-        a = torch.ones(2**26, dtype=torch.float32, device=device)
-        a.sum()
-        best = float("inf")
-        for _ in range(reps):
-            if on_cuda:
-                torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            a.sum()
-            if on_cuda:
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t)
-        _BANDWIDTH[device] = a.numel() * a.element_size() / best / 1e9
-        del a
+        _BANDWIDTH[device] = statistics.median(probe_read_bandwidth_gbs(device) for _ in range(probes))
     return _BANDWIDTH[device]
 
 

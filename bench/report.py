@@ -24,6 +24,7 @@ from .results import find_sweep_dirs, load_summaries  # noqa: E402
 from .summary import REPORT_COLUMNS  # noqa: E402
 
 SLOW_BASELINE = 0.5  # a baseline below half its roofline: its speedups may come from the slow baseline
+PROBE_SPREAD = 0.25  # bandwidth probes of one job further apart than this: the roofline itself moved
 DRIFT_LIMIT = 0.10  # a shared baseline whose first batch, measured again, moved more than this
 
 
@@ -284,9 +285,14 @@ def flags_markdown(df: pd.DataFrame) -> list[str]:
     for _, r in df[df.status == "ok"].iterrows() if "status" in df.columns else []:
         share, drift = r.get("baseline_roofline_share"), r.get("baseline_drift")
         if isinstance(share, float) and share == share and share < SLOW_BASELINE:
-            out.append(f"- `{r.job}`: the baseline runs at {100 * share:.0f}% of its roofline "
-                       f"({r.get('baseline_step_ms'):.1f} ms a step against {r.get('roofline_step_ms'):.1f} ms): its "
-                       "speedup may come from a slow baseline rather than from the method.")
+            bound = r.get("roofline_bound")
+            which = f"{bound}-bound " if isinstance(bound, str) else ""
+            spread = r.get("read_bandwidth_spread")
+            moved = (f"; the machine's bandwidth probes spread {100 * spread:.0f}% over the job"
+                     if isinstance(spread, float) and spread > PROBE_SPREAD else "")
+            out.append(f"- `{r.job}`: the baseline runs at {100 * share:.0f}% of its {which}roofline "
+                       f"({r.get('baseline_step_ms'):.1f} ms a step against {r.get('roofline_step_ms'):.1f} ms{moved}): "
+                       "its speedup may come from a slow baseline rather than from the method.")
         if isinstance(drift, float) and drift == drift and abs(drift) > DRIFT_LIMIT:
             out.append(f"- `{r.job}`: the shared baseline drifted {100 * drift:+.0f}% (its first batch measured again "
                        "in this job): the machine's load moved; rerun with baseline=paired.")

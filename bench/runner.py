@@ -212,11 +212,12 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         start_job_timeout(c.get("job_timeout_s"))
         wparams = {k: v for k, v in c["workload"].items() if k != "name"}
         prompts = load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], **wparams)
-        environment.read_bandwidth_gbs(measurement_device(c))  # for the roofline; before the model takes memory
+        probes = environment.RooflineProbes(measurement_device(c))
+        probes.take()  # the first roofline reading before the model takes memory; more after each repeat
         backend = instantiate_backend(c["backend"], c["model"], method, c["num_speculative_tokens"])
         backend.set_artifact_dir(jdir)
         phase = "measure"
-        row.update(_measure(backend, c, prompts, root, jdir, progress_factory))
+        row.update(_measure(backend, c, prompts, root, jdir, progress_factory, probes))
         row["status"] = "ok"
     except WorkloadUnavailable as e:
         row.update(status="skipped", error=str(e))
@@ -302,7 +303,8 @@ def _engine_version(engine: dict | None) -> str | None:
     return " ".join(f"{k}={engine[k]}" for k in ("engine", "torch", "vllm", "sglang", "llama_cpp") if k in engine) or None
 
 
-def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progress_factory) -> dict:
+def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progress_factory,
+             probes: environment.RooflineProbes | None = None) -> dict:
     ids = [backend.tokenize(p.text) for p in prompts]
     for p, t in zip(prompts, ids):
         if not t:
@@ -325,6 +327,9 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
             _measure_batch(backend, Measurement(kind), ids, 0, first, warm, -1)
 
     base, spec = Measurement("baseline"), Measurement("spec")
+    probes = probes or environment.RooflineProbes(measurement_device(c))
+    compute = backend.matmul_flops_per_token()
+    probes.dtype = compute[1] if compute else None
     base_steps = None  # the baseline's timed steps: read here from a reused shared baseline, else from `base`
     drift = {}
     if c["baseline"] == "paired" or not speculative:
@@ -337,6 +342,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                     _measure_batch(backend, m, ids, bi, idx, c, r)
                     if progress:
                         progress()
+            probes.take()  # between repeats, never inside a timed batch
         baseline_from = "this job (paired, interleaved batch by batch)"
         base_req, base_cyc = base.tables(prompts, ids, backend)
         base_batches = base.batch_table()
@@ -369,6 +375,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
             else:
                 for r in range(reps):
                     _measure_repeat(backend, base, ids, batches, c, r, progress)
+                    probes.take()
                 base_req, base_cyc = base.tables(prompts, ids, backend)
                 base_batches = base.batch_table()
                 write_parquet(bdir / "requests.parquet", base_req)
@@ -386,6 +393,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                 drift = {"baseline_drift": 0.0}
         for r in range(reps):
             _measure_repeat(backend, spec, ids, batches, c, r, progress)
+            probes.take()
     if progress:
         progress(close=True)
 
@@ -407,7 +415,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     out.update(drift)
     if c["baseline"] == "shared" and speculative:
         out["baseline_id"] = shared.get("measurement_id")
-    out.update(roofline(backend, c, base_cyc, base_steps, base_req))
+    out.update(roofline(backend, probes, base_cyc, base_steps, base_req))
     base_tp = _throughputs(base_batches)
     out["baseline_tokens_per_s"] = float(np.median(base_tp))
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
@@ -473,27 +481,46 @@ def measurement_device(c: dict) -> str:
     return device if device.startswith("cuda") else "cpu"
 
 
-def roofline(backend: Backend, c: dict, base_cyc: pd.DataFrame, base_steps, base_req: pd.DataFrame) -> dict:
-    """How close the baseline runs to the machine's limit: a decode step must read every weight
-    once, so weight bytes / read bandwidth is its roofline time. baseline_step_ms is the median
-    baseline decode step: from its cycles (draft + verify + other), else from engine-timed steps,
-    else the requests' median TPOT. A share far below 1 means a slow baseline, which inflates every
-    speedup measured against it. KV-cache reads are left out (small at these lengths)."""
+def roofline(backend: Backend, probes: environment.RooflineProbes, base_cyc: pd.DataFrame, base_steps,
+             base_req: pd.DataFrame) -> dict:
+    """How close the baseline runs to the machine's limit (docs/metrics.md, "Baseline efficiency").
+    A decode step must read every weight once (memory: weight bytes / read bandwidth) and do every
+    product's FLOPs for each of its rows (compute: FLOPs per token x rows / the peak product rate);
+    the roofline step is the larger of the two, so at one row it is the weight read and at many
+    rows it may be the arithmetic. baseline_step_ms is the median baseline decode step: from its
+    cycles (draft + verify + other), else from engine-timed steps, else the requests' median TPOT;
+    its rows likewise (unknown from TPOT: no compute bound then). A share far below 1 means a slow
+    baseline, which inflates every speedup measured against it. KV-cache reads and attention's
+    FLOPs are left out (small at these lengths). The bandwidth and the peak rate are the medians of
+    the job's probes."""
     nbytes = backend.weight_bytes_per_step()
+    compute = backend.matmul_flops_per_token()
+    rows = math.nan
     if len(base_cyc):
         bc = metrics.batched_cycles(base_cyc)
         step, source = float(np.median(bc.t_draft + bc.t_verify + bc.t_other)), "baseline cycles"
+        rows = float(np.median(bc.rows))
     elif base_steps is not None and len(base_steps) and "t_total" in base_steps and base_steps.decode.any():
-        step, source = float(np.median(base_steps[base_steps.decode].t_total)), "engine-timed baseline steps"
+        decode = base_steps[base_steps.decode]
+        step, source = float(np.median(decode.t_total)), "engine-timed baseline steps"
+        rows = float(np.median(decode.rows)) if "rows" in decode else math.nan
     elif len(base_req) and base_req.tpot_s.notna().any():
         step, source = float(base_req.tpot_s.median()), "baseline requests' median TPOT"
     else:
         step, source = math.nan, "unavailable"
-    bw = environment.read_bandwidth_gbs(measurement_device(c)) if nbytes else math.nan
-    roof = nbytes / (bw * 1e9) if nbytes else math.nan
-    return {"baseline_step_ms": step * 1e3, "roofline_step_ms": roof * 1e3, "baseline_roofline_share": roof / step
-            if step == step and roof == roof and step > 0 else math.nan, "read_bandwidth_gbs": bw,
-            "weight_bytes_per_step": nbytes, "baseline_step_source": source}
+    probed = probes.summary()
+    memory = nbytes / (probed["read_bandwidth_gbs"] * 1e9) if nbytes else math.nan
+    flops = compute[0] if compute else None
+    arith = flops * rows / (probed["peak_gflops"] * 1e9) if flops and rows == rows else math.nan
+    bounds = {k: v for k, v in (("memory", memory), ("compute", arith)) if v == v}
+    bound = max(bounds, key=bounds.get) if bounds else None
+    roof = bounds[bound] if bound else math.nan
+    if not nbytes:
+        probed["read_bandwidth_gbs"] = math.nan  # no roofline to read it against
+    return {"baseline_step_ms": step * 1e3, "roofline_step_ms": roof * 1e3, "memory_roofline_step_ms": memory * 1e3,
+            "compute_roofline_step_ms": arith * 1e3, "roofline_bound": bound, "baseline_step_rows": rows,
+            "baseline_roofline_share": roof / step if step == step and roof == roof and step > 0 else math.nan,
+            **probed, "weight_bytes_per_step": nbytes, "matmul_flops_per_token": flops, "baseline_step_source": source}
 
 
 def _throughputs(batches: list[dict]) -> list[float]:

@@ -67,6 +67,52 @@ def test_paired_default_gives_an_interval_with_one_repeat_and_rows_carry_the_roo
     assert row["weight_bytes_per_step"] > 0 and row["read_bandwidth_gbs"] > 0
     assert row["roofline_step_ms"] > 0 and row["baseline_step_ms"] > 0 and row["baseline_step_source"] == "baseline cycles"
     assert row["baseline_roofline_share"] == pytest.approx(row["roofline_step_ms"] / row["baseline_step_ms"])
+    # probed before the model loaded and after the one repeat: two readings, their median and spread
+    assert row["read_bandwidth_probes"] == 2 and row["read_bandwidth_spread"] >= 0 and row["peak_gflops"] > 0
+    # the roofline is the larger of the weight read and the arithmetic at the baseline's rows (one)
+    assert row["baseline_step_rows"] == 1 and row["matmul_flops_per_token"] > 0
+    assert row["memory_roofline_step_ms"] == pytest.approx(row["weight_bytes_per_step"] / row["read_bandwidth_gbs"] / 1e6)
+    assert row["compute_roofline_step_ms"] == pytest.approx(row["matmul_flops_per_token"] / row["peak_gflops"] / 1e6)
+    bounds = {"memory": row["memory_roofline_step_ms"], "compute": row["compute_roofline_step_ms"]}
+    assert row["roofline_step_ms"] == max(bounds.values()) and bounds[row["roofline_bound"]] == row["roofline_step_ms"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_native_flops_per_token_count_every_product_once(tmp_path, tied):
+    """2 x the elements of every matrix a token is multiplied by, counted from the checkpoint's own
+    tensors: every 2-D weight, less the embedding where it is only looked up (an untied one)."""
+    from safetensors import safe_open
+
+    from backends.native import NativeBackend
+    from bench.tiny_models import build_tiny_llama
+
+    folder = build_tiny_llama(tmp_path / "m", tie_embeddings=tied)
+    elements = 0
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if t.dim() == 2 and not (name.endswith("embed_tokens.weight") and not tied):
+                elements += t.numel()
+    b = NativeBackend({"path": str(folder)}, {"name": "ngram"}, num_speculative_tokens=3)
+    assert b.matmul_flops_per_token() == (2 * elements, "float32")
+
+
+def test_roofline_probes_summarize_by_median_and_spread():
+    from bench.environment import RooflineProbes, probe_matmul_gflops, probe_read_bandwidth_gbs
+
+    p = RooflineProbes("cpu")
+    p.bandwidth, p.gflops = [30.0, 10.0, 20.0], [100.0, 300.0]
+    assert p.summary() == {"read_bandwidth_gbs": 20.0, "read_bandwidth_probes": 3, "read_bandwidth_spread": 1.0,
+                           "peak_gflops": 200.0}
+    assert math.isnan(RooflineProbes("cpu").summary()["read_bandwidth_gbs"])
+    # the real probes read something finite and positive; the rate only once a dtype is known
+    q = RooflineProbes("cpu")
+    q.take()
+    assert len(q.bandwidth) == 1 and q.gflops == []
+    q.dtype = "float32"
+    q.take()
+    assert len(q.bandwidth) == 2 and len(q.gflops) == 1
+    assert 0 < probe_read_bandwidth_gbs() < 1e4 and 0 < probe_matmul_gflops() < 1e6
 
 
 def test_shared_baseline_records_drift(tmp_path, tiny_llama):
@@ -89,9 +135,18 @@ def test_report_flags_slow_baselines_drift_and_incomparable_curves():
         {"job": "drifted", "status": "ok", "baseline_roofline_share": 0.8, "baseline_step_ms": 40.0, "roofline_step_ms": 32.0,
          "baseline_drift": -0.25, "backend": "vllm", "method": "ngram", "per_position_basis": metrics.BASIS_ALL},
         {"job": "fine", "status": "ok", "baseline_roofline_share": 0.9, "baseline_step_ms": 35.0, "roofline_step_ms": 32.0,
-         "baseline_drift": 0.05, "backend": "native", "method": "eagle3", "per_position_basis": metrics.BASIS_REACHED}])
+         "baseline_drift": 0.05, "backend": "native", "method": "eagle3", "per_position_basis": metrics.BASIS_REACHED},
+        {"job": "compute", "status": "ok", "baseline_roofline_share": 0.2, "baseline_step_ms": 400.0,
+         "roofline_step_ms": 80.0, "roofline_bound": "compute", "read_bandwidth_spread": 0.1, "backend": "native",
+         "method": "ngram", "per_position_basis": metrics.BASIS_REACHED},
+        {"job": "moved", "status": "ok", "baseline_roofline_share": 0.4, "baseline_step_ms": 100.0,
+         "roofline_step_ms": 40.0, "roofline_bound": "memory", "read_bandwidth_spread": 0.6, "backend": "native",
+         "method": "ngram", "per_position_basis": metrics.BASIS_REACHED}])
     text = "\n".join(flags_markdown(rows))
     assert "`slow`: the baseline runs at 30% of its roofline" in text
+    assert "`compute`: the baseline runs at 20% of its compute-bound roofline" in text
+    assert "`moved`" in text and "probes spread 60% over the job" in text
+    assert "spread" not in text.split("`compute`")[1].split("\n")[0]  # 10%: not worth naming
     assert "`drifted`: the shared baseline drifted -25%" in text
     assert "`fine`" not in text
     assert "not comparable" in text and "vllm/ngram" in text

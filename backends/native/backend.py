@@ -139,6 +139,17 @@ class NativeBackend(Backend):
                 total += p.numel() * p.element_size()
         return total
 
+    def matmul_flops_per_token(self) -> tuple[int, str]:
+        products = self.model.matrices()
+        if self.model.lm_head is not None:  # an untied embedding is looked up, not multiplied by
+            products = [m for m in products if m is not self.model.embed.weight]
+        seen, elements = set(), 0
+        for m in products:
+            if m.data_ptr() not in seen:
+                seen.add(m.data_ptr())
+                elements += m.numel()
+        return 2 * elements, str(self.model.embed.weight.dtype).removeprefix("torch.")
+
     def _transformers(self) -> list[Transformer]:
         """The target and every draft model of this job's drafter (inside a combined or adaptive one too)."""
         found, todo = [self.model], [self.drafter]
