@@ -27,6 +27,33 @@ def test_every_candidate_computes_the_same_product(n):
         assert torch.allclose(fn(x, w), want, atol=1e-5), name
 
 
+@pytest.mark.parametrize("n", [1, 2, 16])
+def test_every_candidate_returns_f_linears_layout(n):
+    """A strided result sends later kernels off their fast paths (SDPA over a q whose last
+    dimension is not unit-stride runs the math kernel, not flash), a cost the tuner never sees:
+    every candidate hands back what F.linear does, contiguous."""
+    w, x = torch.randn(48, 32), torch.randn(n, 32)
+    for name, fn in kernels.CANDIDATES.items():
+        y = fn(x, w)
+        assert y.is_contiguous() and y.stride() == (48, 1), name
+
+
+def test_attention_gets_a_unit_stride_query_under_any_plan():
+    """The attention's q, k and v come from the fused product whichever kernel the plan picks."""
+    from backends.native.model import Attention, ModelArgs
+
+    args = ModelArgs(arch="llama", vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=1, head_dim=8,
+                     intermediate_size=64)
+    attn = Attention(args, sliding=False)
+    attn.fuse()
+    w = attn.wqkv
+    kernels.PLANS[(w.shape[0], w.shape[1], w.dtype)] = ((64, "transposed"),)
+    x = torch.randn(16, 1, 32)
+    cos, sin = torch.ones(16, 1, 1, 8), torch.zeros(16, 1, 1, 8)
+    q, k, v = attn.project(x, cos, sin)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+
+
 def test_a_candidate_must_beat_f_linear_by_the_margin():
     ladder = (1, 2, 4)
     timings = {"linear": {1: 1.0, 2: 1.0, 4: 1.0}, "transposed": {1: 0.97, 2: 0.5, 4: 1.2}}
