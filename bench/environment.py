@@ -60,6 +60,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+def _best_seconds(fn, reps: int, device: str) -> float:
+    """The fastest of `reps` timed calls of fn, after one untimed call (first touches)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def probe_read_bandwidth_gbs(device: str = "cpu", reps: int = 4) -> float:
     """One reading of the memory read bandwidth of this machine (CPU) or device (CUDA), in GB/s:
     the best of `reps` sums over a 256 MiB buffer (far beyond any last-level cache; a roofline is
@@ -69,14 +82,7 @@ def probe_read_bandwidth_gbs(device: str = "cpu", reps: int = 4) -> float:
     import torch
 
     a = torch.ones(2**26, dtype=torch.float32, device=device)
-    a.sum()
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t = time.perf_counter()
-        a.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
+    best = _best_seconds(a.sum, reps, device)
     nbytes = a.numel() * a.element_size()
     del a
     return nbytes / best / 1e9
@@ -93,15 +99,7 @@ def probe_matmul_gflops(device: str = "cpu", dtype: str = "float32", reps: int =
     dt = getattr(torch, dtype)
     a = torch.randn(n, n, device=device).to(dt)
     b = torch.randn(n, n, device=device).to(dt)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / _best_seconds(lambda: a @ b, reps, device) / 1e9
 
 
 class RooflineProbes:
@@ -127,6 +125,7 @@ class RooflineProbes:
 
         bw = statistics.median(self.bandwidth) if self.bandwidth else float("nan")
         return {"read_bandwidth_gbs": bw, "read_bandwidth_probes": len(self.bandwidth),
+                "read_bandwidth_readings": [round(x, 2) for x in self.bandwidth],
                 "read_bandwidth_spread": (max(self.bandwidth) - min(self.bandwidth)) / bw if self.bandwidth else float("nan"),
                 "peak_gflops": statistics.median(self.gflops) if self.gflops else float("nan")}
 

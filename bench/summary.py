@@ -75,6 +75,7 @@ class JobSummary(JobKey):
     baseline_step_rows: float = col("median rows (tokens) of a baseline decode step", ROOF)
     read_bandwidth_gbs: float = col("the device's read bandwidth, GB/s: median of the job's probes", ROOF)
     read_bandwidth_probes: int = col("bandwidth probes the job took (before the model loaded, after each repeat)")
+    read_bandwidth_readings: list = col("each bandwidth probe's reading in order taken, GB/s (the first before the model loaded)")
     read_bandwidth_spread: float = col("(max - min) / median of the job's bandwidth probes: how much the machine moved")
     peak_gflops: float = col("the device's peak matrix-product rate in the engine's dtype, GFLOP/s: median of the job's probes", ROOF)
     weight_bytes_per_step: int = col("bytes of weights one target decode step reads (every matrix once)")

@@ -69,6 +69,8 @@ def test_paired_default_gives_an_interval_with_one_repeat_and_rows_carry_the_roo
     assert row["baseline_roofline_share"] == pytest.approx(row["roofline_step_ms"] / row["baseline_step_ms"])
     # probed before the model loaded and after the one repeat: two readings, their median and spread
     assert row["read_bandwidth_probes"] == 2 and row["read_bandwidth_spread"] >= 0 and row["peak_gflops"] > 0
+    assert len(row["read_bandwidth_readings"]) == 2
+    assert row["read_bandwidth_gbs"] == pytest.approx(np.median(row["read_bandwidth_readings"]), rel=1e-3)
     # the roofline is the larger of the weight read and the arithmetic at the baseline's rows (one)
     assert row["baseline_step_rows"] == 1 and row["matmul_flops_per_token"] > 0
     assert row["memory_roofline_step_ms"] == pytest.approx(row["weight_bytes_per_step"] / row["read_bandwidth_gbs"] / 1e6)
@@ -103,7 +105,7 @@ def test_roofline_probes_summarize_by_median_and_spread():
     p = RooflineProbes("cpu")
     p.bandwidth, p.gflops = [30.0, 10.0, 20.0], [100.0, 300.0]
     assert p.summary() == {"read_bandwidth_gbs": 20.0, "read_bandwidth_probes": 3, "read_bandwidth_spread": 1.0,
-                           "peak_gflops": 200.0}
+                           "read_bandwidth_readings": [30.0, 10.0, 20.0], "peak_gflops": 200.0}
     assert math.isnan(RooflineProbes("cpu").summary()["read_bandwidth_gbs"])
     # the real probes read something finite and positive; the rate only once a dtype is known
     q = RooflineProbes("cpu")
