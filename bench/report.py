@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .results import find_sweep_dirs, load_summaries  # noqa: E402
@@ -88,6 +89,7 @@ def plot_speedup_vs_batch(df, out: Path) -> Path | None:
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set(title=w, xlabel="batch size", xscale="log", xticks=sorted(d.batch_size.unique()))
         ax.set_xticklabels([str(b) for b in sorted(d.batch_size.unique())])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # log scale: no "2x10^0" between
     axes[0][0].set_ylabel("speedup vs same engine, no speculation")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Speedup vs batch size (median, 95% interval)")
