@@ -47,8 +47,8 @@ def linear_transposed(x2: Tensor, w: Tensor) -> Tensor:
     matrix-vector one (the faster kernel on some CPUs). Returned contiguous, in F.linear's layout:
     the transposed view (last-dimension stride = rows) sent what consumed it off its fast paths
     (SDPA over such a q fell back from the flash kernel to the math one, which copies K and V per
-    query head: a 16-row decode step of Gemma 3 270M took 257 ms instead of 165 on a 2-core AMD
-    EPYC). The copy is timed with the product, so the plan weighs it."""
+    query head: a 16-row decode step of Gemma 3 270M took 294 ms instead of 191 on a 2-core AMD
+    EPYC with AVX-512). The copy is timed with the product, so the plan weighs it."""
     n = x2.shape[0]
     return (w @ _pad_rows(x2).T)[:, :n].T.contiguous()
 
