@@ -447,8 +447,8 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
                  spec_steps=None) -> dict:
     """A load point's serving metrics for both arms (docs/metrics.md, "Under load"): rates per run
     (medians over repeats), latency percentiles over every request, the mean running batch, and
-    the SD-on-against-off ratios: tpot_speedup = baseline p50 TPOT / spec p50 TPOT, its range
-    over the repeats' own ratios, and goodput's."""
+    the SD-on-against-off ratios: tpot_speedup, the median of the repeats' own ratios baseline
+    p50 TPOT / spec p50 TPOT, with their range, and goodput's."""
     slo = c.get("slo") or {}
     out = {}
     per_arm = {}
@@ -465,10 +465,7 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
                                                        for r, _, _, o in m.runs])) if m.runs else math.nan
         out[arm + "mean_running_batch"] = running_batch(cyc, steps)
         per_arm[arm] = req
-    s, b = per_arm[""], per_arm["baseline_"]
-    ratios = [float(b[b.repeat == r].tpot_s.median() / s[s.repeat == r].tpot_s.median()) for r in sorted(set(s.repeat))]
-    out["tpot_speedup"] = float(b.tpot_s.median() / s.tpot_s.median()) if len(s) and len(b) else math.nan
-    out["tpot_speedup_low"], out["tpot_speedup_high"] = (min(ratios), max(ratios)) if ratios else (math.nan, math.nan)
+    out.update(load.tpot_speedup(per_arm["baseline_"], per_arm[""]))
     out["goodput_ratio"] = (out["goodput_rps"] / out["baseline_goodput_rps"] if out["baseline_goodput_rps"] > 0
                             else math.nan)
     out["slo_ttft_ms"], out["slo_tpot_ms"] = slo.get("ttft_ms"), slo.get("tpot_ms")

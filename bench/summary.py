@@ -160,7 +160,7 @@ class JobSummary(JobKey):
     baseline_itl_p99: float = col("itl_p99 of the baseline arm")
     baseline_mean_in_flight: float = col("mean_in_flight of the baseline arm")
     baseline_mean_running_batch: float = col("mean_running_batch of the baseline arm")
-    tpot_speedup: float = col("baseline p50 TPOT / method p50 TPOT, over every request", LOAD)
+    tpot_speedup: float = col("median over repeats of each repeat's baseline p50 TPOT / method p50 TPOT", LOAD)
     tpot_speedup_low: float = col("the lowest of the repeats' own TPOT ratios", LOAD)
     tpot_speedup_high: float = col("the highest of the repeats' own TPOT ratios", LOAD)
     goodput_ratio: float = col("goodput_rps / baseline_goodput_rps", LOAD)

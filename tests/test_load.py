@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from bench.cli import CONF_DIR
 from bench.config import ConfigError, validate
-from bench.load import arrival_times, crossover, plan, run_metrics
+from bench.load import arrival_times, crossover, plan, run_metrics, tpot_speedup
 
 
 def _cfg(*overrides):
@@ -39,6 +39,21 @@ def test_goodput_counts_only_requests_within_every_slo():
     m = run_metrics(req, 2.0, slo_ttft_ms=200, slo_tpot_ms=100)
     assert m["request_throughput"] == 2.0 and m["goodput_rps"] == 0.5 and m["output_tokens_per_s"] == 20
     assert run_metrics(req, 2.0, None, None)["goodput_rps"] == 2.0
+
+
+def test_tpot_speedup_is_the_median_of_the_repeats_own_ratios_and_lies_in_their_range():
+    # repeat 0: baseline p50 TPOT 7 against 6 (1.17x); repeat 1: 3 against 3 (1.0x). The medians
+    # pooled over both repeats give 7 / 5 = 1.4, outside what either repeat measured.
+    base = pd.DataFrame({"repeat": [0, 0, 0, 1, 1, 1], "tpot_s": [7.0, 7, 8, 7, 2, 3]})
+    spec = pd.DataFrame({"repeat": [0, 0, 0, 1, 1, 1], "tpot_s": [4.0, 6, 6, 7, 2, 3]})
+    assert base.tpot_s.median() / spec.tpot_s.median() == pytest.approx(1.4)
+    got = tpot_speedup(base, spec)
+    assert got["tpot_speedup_low"] == 1.0 and got["tpot_speedup_high"] == pytest.approx(7 / 6)
+    assert got["tpot_speedup"] == pytest.approx((1 + 7 / 6) / 2)
+    # a repeat with no TPOT (one-token answers) is left out, not a NaN that poisons the median
+    none = pd.DataFrame({"repeat": [0, 1], "tpot_s": [0.1, np.nan]})
+    assert tpot_speedup(pd.DataFrame({"repeat": [0, 1], "tpot_s": [0.2, 0.2]}), none) == {
+        "tpot_speedup": 2.0, "tpot_speedup_low": 2.0, "tpot_speedup_high": 2.0}
 
 
 def test_crossover_is_the_highest_level_that_still_paid():
@@ -139,7 +154,7 @@ def test_a_load_point_on_llama_server_is_one_paired_job_with_its_serving_metrics
     for key in ("tpot_speedup", "goodput_rps", "baseline_goodput_rps", "request_throughput", "ttft_p90", "baseline_tpot_p99",
                 "mean_in_flight"):
         assert row[key] == row[key] and row[key] > 0, key
-    assert row["tpot_speedup_low"] <= row["tpot_speedup_high"]  # the range of the repeats' own ratios
+    assert row["tpot_speedup_low"] <= row["tpot_speedup"] <= row["tpot_speedup_high"]  # the repeats' own ratios
     assert row["ttft_source"] == "client"  # queueing counts in TTFT under load
     # in flight as the client sees it: the closed loop's 2 at most; a rate's arrivals can queue beyond the 2 slots
     assert 0 < row["mean_in_flight"] <= (2.05 if load == "concurrency" else 5)
