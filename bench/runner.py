@@ -304,7 +304,7 @@ def _engine_version(engine: dict | None) -> str | None:
 
 
 def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progress_factory,
-             probes: environment.RooflineProbes | None = None) -> dict:
+             probes: environment.RooflineProbes) -> dict:
     ids = [backend.tokenize(p.text) for p in prompts]
     for p, t in zip(prompts, ids):
         if not t:
@@ -327,9 +327,8 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
             _measure_batch(backend, Measurement(kind), ids, 0, first, warm, -1)
 
     base, spec = Measurement("baseline"), Measurement("spec")
-    probes = probes or environment.RooflineProbes(measurement_device(c))
     compute = backend.matmul_flops_per_token()
-    probes.dtype = compute[1] if compute else None
+    probes.dtype = compute[1] if compute else None  # the peak rate is probed in the dtype the products run in
     base_steps = None  # the baseline's timed steps: read here from a reused shared baseline, else from `base`
     drift = {}
     if c["baseline"] == "paired" or not speculative:
@@ -415,7 +414,7 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     out.update(drift)
     if c["baseline"] == "shared" and speculative:
         out["baseline_id"] = shared.get("measurement_id")
-    out.update(roofline(backend, probes, base_cyc, base_steps, base_req))
+    out.update(roofline(backend, probes, compute, base_cyc, base_steps, base_req))
     base_tp = _throughputs(base_batches)
     out["baseline_tokens_per_s"] = float(np.median(base_tp))
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
@@ -478,8 +477,8 @@ def measurement_device(c: dict) -> str:
     return device if device.startswith("cuda") else "cpu"
 
 
-def roofline(backend: Backend, probes: environment.RooflineProbes, base_cyc: pd.DataFrame, base_steps,
-             base_req: pd.DataFrame) -> dict:
+def roofline(backend: Backend, probes: environment.RooflineProbes, compute: tuple[int, str] | None,
+             base_cyc: pd.DataFrame, base_steps, base_req: pd.DataFrame) -> dict:
     """How close the baseline runs to the machine's limit (docs/metrics.md, "Baseline efficiency").
     A decode step must read every weight once (memory: weight bytes / read bandwidth) and do every
     product's FLOPs for each of its rows (compute: FLOPs per token x rows / the peak product rate);
@@ -489,9 +488,8 @@ def roofline(backend: Backend, probes: environment.RooflineProbes, base_cyc: pd.
     its rows likewise (unknown from TPOT: no compute bound then). A share far below 1 means a slow
     baseline, which inflates every speedup measured against it. KV-cache reads and attention's
     FLOPs are left out (small at these lengths). The bandwidth and the peak rate are the medians of
-    the job's probes."""
+    the job's probes; compute is the backend's matmul_flops_per_token()."""
     nbytes = backend.weight_bytes_per_step()
-    compute = backend.matmul_flops_per_token()
     rows = math.nan
     if len(base_cyc):
         bc = metrics.batched_cycles(base_cyc)

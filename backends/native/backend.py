@@ -140,14 +140,10 @@ class NativeBackend(Backend):
         return total
 
     def matmul_flops_per_token(self) -> tuple[int, str]:
-        products = self.model.matrices()
-        if self.model.lm_head is not None:  # an untied embedding is looked up, not multiplied by
-            products = [m for m in products if m is not self.model.embed.weight]
-        seen, elements = set(), 0
-        for m in products:
-            if m.data_ptr() not in seen:
-                seen.add(m.data_ptr())
-                elements += m.numel()
+        # matrices() lists each product's matrix once (a fused one in place of its parts, a tied
+        # embedding once); an untied embedding is looked up, not multiplied by
+        untied_embed = self.model.embed.weight if self.model.lm_head is not None else None
+        elements = sum(m.numel() for m in self.model.matrices() if m is not untied_embed)
         return 2 * elements, str(self.model.embed.weight.dtype).removeprefix("torch.")
 
     def _transformers(self) -> list[Transformer]:
