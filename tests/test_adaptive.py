@@ -15,7 +15,8 @@ from bench.oracle.simulate import run, sample_requests, tune_split
 # the published constants with a switching cost, so that the faithful accounting differs
 COST = replace(load_cost_model("llama3.1-8b-h100"), switching_cost=1.5e-3)
 REALIZABLE = ["match:ngram+eagle:2:4:3", "ema:eagle:3", "ema:ngram:2:0.25:6", "goodput:ngram+eagle:6",
-              "ucb:ngram+eagle:1,3,5", "schedule:eagle:1=4,8=2", "conf:eagle:4:0.5", "conf:ngram+eagle:2:4:4:0.3"]
+              "ucb:ngram+eagle:1,3,5", "schedule:eagle:1=4,8=2", "conf:eagle:4:0.5", "conf:ngram+eagle:2:4:4:0.3",
+              "tree:ngram+eagle:3:4:3"]
 KC = 4  # drafts per cycle whose probabilities the random traces record
 
 
@@ -336,10 +337,52 @@ def test_the_lookup_recomputed_from_token_ids(tmp_path):
     df = run([f], COST, [1], ["optimistic"], ["match:ngram+eagle:1:20:3"], 6, warn=said.append,
              lookups=[parse_lookup("ngram:3:7:20:earliest")])
     assert len(df) == 1 and any(f"agrees with the trace's at {(n - changed) / n:.2%} of {n} positions" in s for s in said)
-    for bad_spec, msg in (("ngram:3:7", "not valid; use METHOD"), ("ngram:0:7:20", "need 1 <= MIN <= MAX"),
-                          ("ngram:3:7:20:middle", "not valid; use METHOD"), ("ngram:a:7:20", "must be integers")):
+    for bad_spec, msg in (("ngram:3:7", r"not valid; use \[NAME=\]METHOD"), ("ngram:0:7:20", "need 1 <= MIN <= MAX"),
+                          ("ngram:3:7:20:middle", r"not valid; use \[NAME=\]METHOD"), ("ngram:a:7:20", "must be integers"),
+                          ("=ngram", "not valid"), ("ngram=ngram", "not valid"), ("a:b=ngram", "not valid")):
         with pytest.raises(ValueError, match=msg):
             parse_lookup(bad_spec)
+
+
+def test_a_lookup_variant_replayed_as_a_method_of_its_own(tmp_path):
+    """NAME=METHOD:MIN:MAX:K:latest: a second lookup, its acc_len, draft_len and match_len all from
+    the token ids (lookup_trace in the alignment METHOD's trace agrees with), METHOD's own fields
+    untouched, the name a lookup the policies and the cost model treat as one."""
+    from bench.methods import is_lookup
+    from bench.ngram import lookup_trace
+    from bench.oracle.tracefile import parse_lookup, recompute_lookup
+
+    rng = np.random.default_rng(9)
+    rows = []
+    for i in range(5):
+        prompt = rng.integers(0, 5, 40).tolist()
+        gen = (prompt[5:30] + rng.integers(0, 5, 25).tolist())[: int(rng.integers(25, 50))]
+        acc = lookup_trace(prompt, gen, 20, min_ngram=3, max_ngram=7, prefer_recent=False)[0]
+        rows.append({"id": str(i), "prompt_token_ids": prompt, "generated_token_ids": gen,
+                     "acc_ngram": {"acc_len": acc.tolist()}, "acc_eagle": {"acc_len": [1] * len(gen)}})
+    f = tmp_path / "combined_var.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    method, knobs = parse_lookup("short=ngram:1:2:8:latest")
+    assert (method, knobs) == ("ngram", {"min_ngram": 1, "max_ngram": 2, "k": 8, "prefer_recent": True,
+                                         "as_method": "short"})
+    traces = load_traces(f)
+    k = knobs.pop("k")
+    got = recompute_lookup(traces, method, k, **knobs)
+    assert got["traces"] == 5 and got["context_offset"] == 1
+    for t, r in zip(traces, rows):
+        acc, drafted, matched = lookup_trace(r["prompt_token_ids"], r["generated_token_ids"], 8, min_ngram=1,
+                                             max_ngram=2, prefer_recent=True)
+        assert t.acc["short"].tolist() == acc.tolist() and t.drafted["short"].tolist() == drafted.tolist()
+        assert t.matched["short"].tolist() == matched.tolist() and (matched > 0).any()
+        assert t.acc["ngram"].tolist() == r["acc_ngram"]["acc_len"] and "ngram" not in (t.drafted or {})
+    said = []
+    df = run([f], COST, [1], ["faithful"], ["fixed:short:8", "tree:short+eagle:2:8:3", "dp:short+eagle:8"], 5,
+             warn=said.append, lookups=[parse_lookup("short=ngram:1:2:8:latest")])
+    assert is_lookup("short") and len(df) == 3 and any("short, a lookup of its own" in m for m in said)
+    dp = df.set_index("policy").speedup
+    assert dp["dp:short+eagle:8"] >= max(dp["fixed:short:8"], dp["tree:short+eagle:2:8:3"])
+    with pytest.raises(ValueError, match="'eagle' is already a method of these traces"):
+        recompute_lookup(load_traces(f), "ngram", 8, as_method="eagle")
 
 
 def test_draft_prob_in_a_trace_file_is_checked(tmp_path):
@@ -370,6 +413,54 @@ def test_conf_is_refused_by_the_engines_adaptive_method_and_says_why():
         adaptive_policy({"policy": "conf:ngram+draft_model:1:8:4:0.3"})
     with pytest.raises(ValueError, match="request 0 has no draft_prob of \\['eagle'\\]"):
         Policy.parse("conf:eagle:4:0.3").begin(SimpleNamespace(id=0, prompt_len=3, drafted={}), None)
+
+
+def test_a_tree_cycle_verifies_both_drafts_keeps_the_longer_and_charges_each_drafter_once():
+    """tree:ngram+eagle:M:KC:KN by hand: the lookup's short match gives a tree (both drafts, one
+    verify, the longer accepted branch kept), a match of >= M or a copy under way the lookup
+    alone, no proposal the neural drafter alone; the neural drafter is charged for its own KN."""
+    G = 14
+    # position: 0 tree (match 2 < M 3; eagle's branch wins, 3 tokens), 3 tree (the lookup's branch
+    # wins, its 2 drafts accepted whole: 3 tokens), 6 lookup alone (a copy under way; 2 tokens),
+    # 8 lookup alone (match 3 >= M), 9 nothing proposed: eagle alone
+    ng = np.array([1, 1, 1, 3, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1])
+    eg = np.array([3, 1, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1])
+    d = np.array([2, 0, 0, 2, 0, 0, 4, 0, 1, 0, 0, 0, 0, 0])
+    m = np.array([2, 0, 0, 1, 0, 0, 1, 0, 3, 0, 0, 0, 0, 0])
+    t = Trace("tree", 5, list(range(G + 1)), {"ngram": np.append(ng, 1), "eagle": np.append(eg, 1)},
+              {"ngram": np.append(d, 0)}, {"ngram": np.append(m, 0)})
+    pol = Policy.parse("tree:ngram+eagle:3:4:2")
+    tr = trajectory(t, pol)
+    assert tr.input_len.tolist()[:5] == [1 + 2 + 2, 1 + 2 + 2, 1 + 4, 1 + 1, 1 + 2]
+    assert tr.emitted.tolist()[:5] == [3, 3, 2, 1, 2]
+    assert tr.winner.tolist()[:5] == [1, 0, 0, 0, 1]
+    assert tr.ran[:5, 1].tolist() == [True, True, False, False, True]
+    # the neural drafter's charge is that of its own 2 drafts, not of the tree's 5 tokens
+    cost = load_cost_model("llama3.1-8b-h100")
+    verify = np.array([1e-2])
+    got = pol.draft_time(cost, "faithful", np.array([[True, True]]), verify, np.array([100.0]), np.array([5.0]))
+    want = cost.draft("ngram").time(verify, 100.0, 5.0) + cost.draft("eagle").time(verify, 100.0, 3.0)
+    assert got.tolist() == pytest.approx(want.tolist())
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_a_tree_with_m_1_is_the_match_rule(B):
+    """M = 1: wherever the lookup proposes it has matched, so no cycle is a tree and tree is match."""
+    rng = np.random.default_rng(5)
+    for i in range(4):
+        t = random_trace(rng, tid=str(i))
+        a = trajectory(t, Policy.parse("tree:ngram+eagle:1:4:3"))
+        b = trajectory(t, Policy.parse("match:ngram+eagle:1:4:3"))
+        assert a.input_len.tolist() == b.input_len.tolist() and a.winner.tolist() == b.winner.tolist()
+        assert spec_time(t, Policy.parse("tree:ngram+eagle:1:4:3"), "faithful", B) == pytest.approx(
+            spec_time(t, Policy.parse("match:ngram+eagle:1:4:3"), "faithful", B))
+
+
+def test_a_tree_is_refused_by_the_engines_adaptive_method_and_says_why():
+    from backends.native.backend import adaptive_policy
+
+    with pytest.raises(ValueError, match=r"tree.*one chain per row.*match, ema"):
+        adaptive_policy({"policy": "tree:ngram+draft_model:7:8:4"})
 
 
 def test_the_lookup_recomputed_in_the_published_traces_alignment(tmp_path):
@@ -469,7 +560,7 @@ def test_trace_files_in_parallel_give_the_rows_and_messages_of_one_process(tmp_p
     assert set(dfs[1].dataset) == {"toy", "other"}
 
 
-@pytest.mark.parametrize("spec", [s for s in REALIZABLE if not s.startswith("conf")])
+@pytest.mark.parametrize("spec", [s for s in REALIZABLE if not s.startswith(("conf", "tree"))])
 def test_the_engines_one_row_calls_make_the_replays_choices(spec):
     """backends/native/adaptive.py drives a rule one row at a time (begin, then choose and observe
     each cycle, for as many cycles as a generation has): fed the outcomes of the replay of a trace,

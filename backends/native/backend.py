@@ -47,7 +47,7 @@ def adaptive_policy(m: dict):
     from bench.oracle.policies import POLICIES, Context, Policy
 
     spec = m.get("policy")
-    kinds = [k for k, c in POLICIES.items() if issubclass(c, Adaptive)]
+    kinds = [k for k, c in POLICIES.items() if issubclass(c, Adaptive) and not c.engine_refusal]
     if not isinstance(spec, str):
         raise ValueError(f"method.policy={spec!r} is not valid; give a policy spec of kind {', '.join(kinds)} "
                          "(e.g. match:ngram+draft_model:1:8:4; see specsweep-oracle --help)")
@@ -55,10 +55,8 @@ def adaptive_policy(m: dict):
     if not isinstance(policy, Adaptive):
         raise ValueError(f"method.policy={spec!r}: the engine runs realizable adaptive policies only; use a kind of "
                          f"{', '.join(kinds)}")
-    if policy.needs_matched or policy.needs_confidence:  # conf: signals the traces carry, this drafter does not
-        raise ValueError(f"method.policy={spec!r} reads the lookup's match length or the drafter's probabilities of "
-                         "its drafts, which the engine's adaptive drafter does not give a policy (only the lookups' "
-                         f"proposal lengths); use a kind of {', '.join(k for k in kinds if k != policy.kind)}")
+    if policy.engine_refusal:  # what the simulator replays and this drafter cannot do (conf, tree)
+        raise ValueError(f"method.policy={spec!r} {policy.engine_refusal}; use a kind of {', '.join(kinds)}")
     bad = [n for n in policy.methods if n not in ADAPTIVE_DRAFTERS]
     if bad:
         raise ValueError(f"method.policy={spec!r} names {', '.join(bad)}; an adaptive policy chooses between "

@@ -12,6 +12,10 @@ Policies (policies.py, adaptive.py, dp.py; one class each, POLICIES maps a spec'
   outcomes, a lookup's proposal length at the current position where the trace records draft_len):
   match:CHEAP+NEURAL:M:KC:KN  the lookup at min(its proposal, KC) where it proposes >= M tokens,
                               else the neural drafter at KN (n/a on traces without the lookup's draft_len);
+  tree:CHEAP+NEURAL:M:KC:KN   both drafts as two branches of one verify (the longer accepted kept) where
+                              the lookup proposes with a match shorter than M and no copy is under way,
+                              else the lookup alone (or, without a proposal, the neural drafter alone);
+                              needs draft_len and match_len; simulator only (lanes.outcome);
   ema:METHOD:K0[:ALPHA[:KMAX]]  k = clip(floor(e + 1/2), 1, KMAX), e an EMA (weight ALPHA, default
                               0.5; KMAX 8) of accepted drafts, +1 when a cycle accepted them all;
   goodput:M1+M2[+...]:KMAX    per cycle the (method, k in 0..KMAX) with the most expected tokens per
@@ -32,7 +36,8 @@ a neural draft is charged per cycle or per head step (DraftCost.per, --neural-dr
 The package:
 - tracefile.py  Trace, TraceError, load_traces: the interchange format, read and checked (acc_len, and
                 where recorded draft_len, match_len, draft_prob); recompute_lookup, parse_lookup: a
-                lookup's draft_len and match_len recomputed from token ids (--lookup-from-tokens);
+                lookup's draft_len and match_len recomputed from token ids (--lookup-from-tokens),
+                or a lookup variant replayed as a method of its own (NAME=METHOD:...);
 - policies.py   Policy, Context, the published policies, POLICIES, Policy.parse, default_policies;
 - adaptive.py   the realizable adaptive policies; dp.py the dp bound;
 - lanes.py      Lanes (requests x contexts replayed together as arrays), walk_stateless, walk_lockstep;

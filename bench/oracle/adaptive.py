@@ -12,6 +12,9 @@ probabilities of the drafts it would propose (draft_prob), both known before the
 
 - match:CHEAP+NEURAL:M:KC:KN   the lookup when it proposes >= M tokens here (k = min(that, KC)),
                                else the neural drafter at KN (needs the lookup's draft_len);
+- tree:CHEAP+NEURAL:M:KC:KN    both drafts as branches of one verify where the lookup's match is
+                               shorter than M and no copy is under way, else one of them (needs the
+                               lookup's draft_len and match_len; simulator only);
 - ema:METHOD:K0[:ALPHA[:KMAX]] k follows an exponential moving average of accepted drafts;
 - goodput:M1+M2[+...]:KMAX     per cycle the (method, k), k = 0 (a plain step) allowed, with the
                                most expected tokens per second, from running acceptance estimates;
@@ -58,6 +61,9 @@ class Adaptive(Policy):
     """The shared walk: per lane a state (lanes_state), then each cycle choose from the past and
     observe the outcome. A lookup proposes at most what it has at the position (avail, where has)."""
     stateless: ClassVar[bool] = False
+    # Why the native engine's adaptive drafter (backends/native/adaptive.py) cannot run it, said
+    # after the spec in its configuration error; empty: it can.
+    engine_refusal: ClassVar[str] = ""
 
     def lanes_state(self, lanes: Lanes) -> SimpleNamespace:
         return SimpleNamespace(lanes=lanes)
@@ -136,6 +142,74 @@ class Match(Adaptive):
         goes to 12: on the published traces at batch 1 the best is 8-10 (extra verified tokens are
         almost free there)."""
         return [Match(self.methods, 0, m, self.k_cheap, kn) for m in (1, 2, 3, 4) for kn in (1, 2, 3, 4, 5, 6, 8, 10, 12)]
+
+
+@dataclass(frozen=True)
+class Tree(Adaptive):
+    """The lookup's draft and the neural drafter's verified together where the lookup's match is
+    short, one alone where the choice is clear:
+    - the lookup proposes nothing here: the neural drafter alone, KN tokens;
+    - its match length (match_len) is >= M, or its draft was accepted whole in the row's last cycle
+      (a copy under way): the lookup alone, min(its proposal, KC) tokens;
+    - else both, as two branches of one verify (a token tree: one target forward over the 1 +
+      KC' + KN tokens, the longer accepted branch kept).
+    At batch 1 a verified token costs little beside a forward (the published H100 constants:
+    2.1e-5 s a token against 5.9 ms fixed), so verifying the lookup's draft beside the neural one
+    costs almost nothing where the lookup might fail. The neural drafter is charged for its KN
+    drafts wherever it runs, the lookup every cycle (it is how the rule decides). M above the
+    lookup's longest match length (its max_ngram) gives the tree wherever no copy is under way;
+    M = 1 is match:CHEAP+NEURAL:1:KC:KN. Simulator only: the native engine verifies one chain
+    per row."""
+    min_match: int = 1
+    k_cheap: int = 1
+    k_neural: int = 1
+
+    kind, syntax = "tree", "tree:CHEAP+NEURAL:M:KC:KN"
+    switches = True
+    verifies_tree = True
+    engine_refusal = ("verifies the lookup's and the neural drafter's drafts together, as a tree; the engine's "
+                      "adaptive drafter verifies one chain per row")
+    needs_drafted = needs_matched = (0,)
+
+    @property
+    def name(self):
+        return f"tree:{'+'.join(self.methods)}:{self.min_match}:{self.k_cheap}:{self.k_neural}"
+
+    @classmethod
+    def from_args(cls, spec, args):
+        if len(args) != 4:
+            return None
+        ks = [_draft_length(spec, a) for a in args[1:]]
+        return cls(_methods(spec, args[0], 2), 0, *ks)
+
+    def lanes_state(self, lanes):
+        return SimpleNamespace(lanes=lanes, matched=lanes.by_request([t.matched[self.methods[0]] for t in lanes.traces]),
+                               copying=np.zeros(len(lanes), dtype=bool))
+
+    def choose_lanes(self, st, idx, pos, avail, has):
+        proposal = avail[:, 0]
+        alone = (st.matched[st.lanes.offset[idx] + pos] >= self.min_match) | st.copying[idx]
+        drafts = np.stack([np.minimum(proposal, self.k_cheap),
+                           np.where((proposal > 0) & alone, 0, self.k_neural)], 1)
+        w = np.where(drafts[:, 0] > 0, 0, 1)
+        return w, drafts, np.stack([np.ones(len(idx), dtype=bool), drafts[:, 1] > 0], 1)
+
+    def decide(self, st, idx, pos, avail, has):
+        return self.choose_lanes(st, idx, pos, avail, has)  # per-branch counts, the lookup's already within its proposal
+
+    def observe_lanes(self, st, idx, w, drafts, emitted):
+        st.copying[idx] = (drafts[:, 0] > 0) & (w == 0) & (emitted == drafts[:, 0] + 1)
+
+    def draft_time(self, cost, accounting, ran, verify, kv, il):
+        lookup, neural = (cost.draft(m) for m in self.methods)
+        # the verify's tokens are both branches'; the neural drafter drafted its own KN only
+        return (np.where(ran[..., 0], lookup.time(verify, kv, il), 0.0)
+                + np.where(ran[..., 1], neural.time(verify, kv, self.k_neural + 1 + np.zeros_like(il)), 0.0))
+
+    def tune_grid(self):
+        """Candidates for --tune: M (1: never a tree; 8: a tree wherever no copy is under way, for
+        a lookup of match lengths up to 7) and KN; KC as given."""
+        return [Tree(self.methods, 0, m, self.k_cheap, kn) for m in (1, 3, 4, 5, 6, 7, 8) for kn in (4, 6, 8, 10, 12)]
 
 
 @dataclass(frozen=True)
@@ -360,6 +434,8 @@ class Confidence(Adaptive):
     threshold: float = 0.0
 
     kind, syntax = "conf", "conf:[CHEAP+]NEURAL[:M:KC]:KMAX:THR"
+    engine_refusal = ("reads the lookup's match length or the drafter's probabilities of its drafts, which the "
+                      "engine's adaptive drafter does not give a policy (only the lookups' proposal lengths)")
 
     @property
     def combined(self) -> bool:

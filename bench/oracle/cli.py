@@ -44,11 +44,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true",
                     help="fit the parameters of match, ema and conf on one half of the sampled requests (a fixed seeded "
                          "split) and score every policy on the other half (column half = score)")
-    ap.add_argument("--lookup-from-tokens", nargs="+", default=[], metavar="METHOD[:MIN:MAX:K[:earliest|latest]]",
+    ap.add_argument("--lookup-from-tokens", nargs="+", default=[],
+                    metavar="[NAME=]METHOD[:MIN:MAX:K[:earliest|latest]]",
                     help="recompute METHOD's lookup (its draft_len and match_len) from the traces' token ids where they "
                          "record no match_len: bench/ngram.py's prompt lookup over prompt + generated tokens, match "
                          "lengths MIN..MAX, up to K tokens (default 3:7:20:earliest, which reproduces the published "
-                         "traces' n-gram); how often it agrees with the trace's acc_len is printed")
+                         "traces' n-gram); how often it agrees with the trace's acc_len is printed. NAME=: the lookup "
+                         "becomes a method of that name beside METHOD, its acc_len too from the token ids (a lookup "
+                         "variant on traces that recorded another; e.g. ngram17=ngram:1:7:20:latest)")
     ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                     help="trace files simulated at once, each in a process of its own (default: the CPUs this process "
                          "may use; 1: one after another in this process); the results are the same")

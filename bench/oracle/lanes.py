@@ -101,6 +101,19 @@ def _check_emits(emitted, lanes: Lanes, idx, pos, pol) -> None:
                          f"{int(emitted[i])} tokens")
 
 
+def outcome(lanes: Lanes, fi, w, drafts):
+    """What the cycles decide chose verify and emit: (tokens verified, tokens emitted, the method
+    whose draft was kept). drafts is a draft count per cycle (method w's draft alone), or a row of
+    counts per method (a tree: every method's draft a branch of one verify, one forward over all of
+    them; the longest accepted branch is kept, w's on a tie, else the first method's)."""
+    if drafts.ndim == 1:
+        il = drafts + 1
+        return il, np.minimum(lanes.acc[w, fi], il), w
+    branch = np.where(drafts > 0, np.minimum(lanes.acc[:, fi].T, drafts + 1), 1)  # [n, W]
+    emitted = branch.max(1)
+    return drafts.sum(1) + 1, emitted, np.where(branch[np.arange(len(w)), w] == emitted, w, branch.argmax(1))
+
+
 def _no_cycles(W: int):
     return (np.zeros(0, dtype=np.int64),) * 3 + (np.zeros((0, W), dtype=bool), np.zeros(0, dtype=np.int64))
 
@@ -116,8 +129,7 @@ def walk_stateless(pol, st, lanes: Lanes):
     pos = positions_within(n)
     fi = lanes.offset[idx] + pos
     w, drafts, ran = pol.decide(st, idx, pos, lanes.drafted[:, fi].T, lanes.has[idx])
-    il = drafts + 1
-    emitted = np.minimum(lanes.acc[w, fi], il)
+    il, emitted, w = outcome(lanes, fi, w, drafts)
     e = emitted.tolist()
     visited = []
     base = 0
@@ -143,8 +155,7 @@ def walk_lockstep(pol, st, lanes: Lanes):
         pos = cur[active] - 1
         fi = lanes.offset[active] + pos
         w, drafts, ran = pol.decide(st, active, pos, lanes.drafted[:, fi].T, lanes.has[active])
-        il = drafts + 1
-        emitted = np.minimum(lanes.acc[w, fi], il)
+        il, emitted, w = outcome(lanes, fi, w, drafts)
         _check_emits(emitted, lanes, active, pos, pol)
         pol.learn(st, active, w, drafts, emitted)
         out.append((active, il, emitted, ran, w))

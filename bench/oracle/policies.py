@@ -11,7 +11,7 @@ specs such as "fixed:eagle:3".
 - combined:M+N     per position, the best of several methods, each at oracle k;
 - fallback:M+N:K   realizable (no future knowledge): M (a lookup, e.g. n-gram) at K while its
                    previous cycle had a draft accepted, else N for one cycle;
-- match, ema, goodput, ucb, schedule, conf: realizable adaptive rules (adaptive.py, its docstring);
+- match, tree, ema, goodput, ucb, schedule, conf: realizable adaptive rules (adaptive.py, its docstring);
 - dp:M1[+M2...]:KMAX  the clairvoyant per-cycle bound (dp.py);
 - randmatch:M:K[:P]  the published fixed-k n-gram model: where acc_len is 1 a copy of the request
                    finds a match with probability P (published per dataset), else proposes nothing
@@ -68,6 +68,9 @@ class Policy:
     # Its choices depend on the batch size, accounting or cost model (Context), so the simulators
     # replay it once per batch size instead of once per request.
     batch_aware: ClassVar[bool] = False
+    # decide gives a draft count per method (a token tree: each method's draft a branch of one
+    # verify; lanes.outcome); the engine's adaptive drafter verifies one chain and refuses it.
+    verifies_tree: ClassVar[bool] = False
     # The methods whose recorded draft lengths (draft_len) it needs; a trace without them is n/a.
     needs_drafted: ClassVar[tuple[int, ...]] = ()
     # ... whose lookup match lengths (match_len), and whose drafter probabilities (draft_prob)
@@ -96,13 +99,15 @@ class Policy:
     def decide(self, st, idx: np.ndarray, pos: np.ndarray, avail: np.ndarray, has: np.ndarray):
         """The cycles of lanes idx starting at generated positions pos (arrays): (index of the
         method whose draft is used, tokens drafted = verified - 1, [n, W] whether each method's
-        drafter ran). avail[:, j] is method j's recorded draft length there (draft_len), valid
+        drafter ran); a policy that verifies_tree gives the drafts as [n, W], per method
+        (lanes.outcome). avail[:, j] is method j's recorded draft length there (draft_len), valid
         where has[:, j]; a policy that reads acceptance (oracle, combined) reads st.lanes.acc, which
         no realizable one does."""
         raise NotImplementedError
 
     def learn(self, st, idx: np.ndarray, w: np.ndarray, drafts: np.ndarray, emitted: np.ndarray) -> None:
-        """The outcome of the cycles decide chose for lanes idx: method, drafts, tokens emitted."""
+        """The outcome of the cycles decide chose for lanes idx: method (a tree's: the branch kept),
+        drafts (as decide gave them), tokens emitted."""
 
     def draft_time(self, cost: CostModel, accounting: str, ran, verify, kv, il):
         """Drafting charged per cycle, arrays of any broadcastable shape: ran[..., j] whether
@@ -270,7 +275,7 @@ class RandMatch(Policy):
 
 # The adaptive policies and the dp bound subclass Policy above, so they are imported
 # here, after them, to join the registry (their modules import this one's names, already defined).
-from .adaptive import Confidence, Ema, Goodput, Match, Schedule, Ucb  # noqa: E402
+from .adaptive import Confidence, Ema, Goodput, Match, Schedule, Tree, Ucb  # noqa: E402
 from .dp import Dp  # noqa: E402
 
 # kind -> class; the order is that of the syntaxes an error lists
@@ -280,6 +285,7 @@ POLICIES: dict[str, type[Policy]] = {c.kind: c for c in (
     Combined,
     Fallback,
     Match,
+    Tree,
     Ema,
     Goodput,
     Ucb,

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import metrics
 from ..costmodel import CostModel
-from ..methods import is_lookup
+from ..methods import declare, is_lookup
 from .lanes import Lanes, positions_within, walk_lockstep, walk_stateless
 from .policies import Context, Policy, RandMatch, default_policies
 from .tracefile import Trace, generated_len, load_traces, recompute_lookup
@@ -390,6 +390,8 @@ def _file_rows(f: str, cost: CostModel, batch_sizes, accountings, policy_specs, 
     for method, knobs in lookups:
         knobs = dict(knobs)
         k = knobs.pop("k")
+        if knobs.get("as_method"):  # a lookup of its own: declared here, in the process that replays it
+            declare([f"{knobs['as_method']}=lookup"])
         got = recompute_lookup(traces, method, k, **knobs)
         if warn is not None:
             share = f"{got['agree'] / got['positions']:.2%}" if got["positions"] else "-"
@@ -397,9 +399,13 @@ def _file_rows(f: str, cost: CostModel, batch_sizes, accountings, policy_specs, 
                    f"{'latest' if knobs['prefer_recent'] else 'earliest'} occurrence, up to {k} tokens")
             when = ("prompt + generated[:i], the published traces' alignment" if got["context_offset"] == 0
                     else "prompt + generated[:i + 1], specsweep's alignment")
-            warn(f"{dataset}: {method}'s lookup recomputed from the token ids of {got['traces']} traces ({how}; "
-                 f"position i drafted from {when}, the one that agrees more); its acc_len agrees with the "
-                 f"trace's at {share} of {got['positions']} positions")
+            what = (f"{knobs['as_method']}, a lookup of its own (acc_len, draft_len and match_len), replayed"
+                    if knobs.get("as_method") else f"{method}'s lookup recomputed")
+            agrees = (f"it agrees with {method}'s acc_len" if knobs.get("as_method")
+                      else "its acc_len agrees with the trace's")
+            warn(f"{dataset}: {what} from the token ids of {got['traces']} traces ({how}; position i drafted "
+                 f"from {when}, the one that agrees more with {method}'s trace); {agrees} at {share} of "
+                 f"{got['positions']} positions")
     methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
     pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
     if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:

@@ -140,12 +140,16 @@ PUBLISHED_LOOKUP = {"min_ngram": 3, "max_ngram": 7, "k": 20, "prefer_recent": Fa
 
 
 def parse_lookup(text: str) -> tuple[str, dict]:
-    """A --lookup-from-tokens value, METHOD[:MIN:MAX:K[:earliest|latest]], as (method, knobs);
-    the defaults are PUBLISHED_LOOKUP's. Anything else is a ValueError saying what is valid."""
-    method, *f = text.split(":")
-    syntax = "METHOD[:MIN:MAX:K[:earliest|latest]] (e.g. ngram or ngram:3:7:20:earliest)"
+    """A --lookup-from-tokens value, [NAME=]METHOD[:MIN:MAX:K[:earliest|latest]], as (method,
+    knobs); the defaults are PUBLISHED_LOOKUP's. NAME= makes the lookup a method of its own (knob
+    as_method; recompute_lookup). Anything else is a ValueError saying what is valid."""
+    name, sep, rest = text.rpartition("=")
+    method, *f = rest.split(":")
+    syntax = ("[NAME=]METHOD[:MIN:MAX:K[:earliest|latest]] (e.g. ngram, ngram:3:7:20:earliest, or "
+              "ngram17=ngram:1:7:20:latest for a lookup of its own)")
     knobs = dict(PUBLISHED_LOOKUP)
-    if not method or len(f) not in (0, 3, 4) or (len(f) == 4 and f[3] not in ("earliest", "latest")):
+    if (sep and (not name or ":" in name or name == method) or not method or len(f) not in (0, 3, 4)
+            or (len(f) == 4 and f[3] not in ("earliest", "latest"))):
         raise ValueError(f"--lookup-from-tokens {text!r} is not valid; use {syntax}")
     if f:
         try:
@@ -157,15 +161,23 @@ def parse_lookup(text: str) -> tuple[str, dict]:
         knobs.update(min_ngram=lo, max_ngram=hi, k=k)
         if len(f) == 4:
             knobs["prefer_recent"] = f[3] == "latest"
+    if sep:
+        knobs["as_method"] = name
     return method, knobs
 
 
-def recompute_lookup(traces: list[Trace], method: str, k: int, **knobs) -> dict:
+def recompute_lookup(traces: list[Trace], method: str, k: int, as_method: str | None = None, **knobs) -> dict:
     """Fill in a lookup's draft_len and match_len from the token ids, on the traces that carry
     method's acc_len, their token ids and no match_len of their own (bench/ngram.py's lookup,
     replayed: lookup_trace). The trace's acc_len is kept; how often the replay's own acc_len
     agrees with it is returned ({"traces", "positions", "agree", "context_offset"}), the measure
     of whether the replayed lookup is the one the trace was recorded with.
+
+    as_method: the replay is a method of that name instead, beside method: its acc_len too comes
+    from the token ids (what the lookup's drafts would have had accepted, exact for the greedy
+    generation the trace recorded), method's alignment (below) chosen by agreement as above, and
+    method's own fields kept. This is how a lookup variant (other match lengths, the latest
+    occurrence) is replayed on a published trace that recorded one lookup.
 
     Which token a position's lookup has last seen is a convention of the file: specsweep's traces
     start at the first cycle after prefill (context_offset 1), the published ones at the prefill
@@ -174,8 +186,11 @@ def recompute_lookup(traces: list[Trace], method: str, k: int, **knobs) -> dict:
     late would see the token its cycle is to draft, a future the policies must not read."""
     from ..ngram import lookup_alignments
 
-    todo = [t for t in traces if method in t.acc and not (t.matched and method in t.matched)
-            and t.generated_token_ids and t.prompt_token_ids is not None]
+    if as_method and any(as_method in t.acc for t in traces):
+        raise ValueError(f"--lookup-from-tokens: {as_method!r} is already a method of these traces; give the lookup "
+                         "another name")
+    todo = [t for t in traces if method in t.acc and t.generated_token_ids and t.prompt_token_ids is not None
+            and (as_method not in t.acc if as_method else not (t.matched and method in t.matched))]
     both = [lookup_alignments(t.prompt_token_ids, t.generated_token_ids, k, (1, 0), **knobs) for t in todo]
     best = None
     for offset in (1, 0):
@@ -184,13 +199,18 @@ def recompute_lookup(traces: list[Trace], method: str, k: int, **knobs) -> dict:
             acc, drafted, matched = by_offset[offset]
             G = len(t.acc[method])
             n = min(G, len(acc))
-            replayed.append((drafted, matched, G))
+            replayed.append((acc, drafted, matched, G))
             positions += G
             agree += int((acc[:n] == t.acc[method][:n]).sum())
         if best is None or agree > best[2]:
             best = (offset, replayed, agree, positions)
     offset, replayed, agree, positions = best
-    for t, (drafted, matched, G) in zip(todo, replayed):
+    for t, (acc, drafted, matched, G) in zip(todo, replayed):
+        if as_method:  # a method of its own, over the generation the token ids hold
+            t.acc[as_method] = acc
+            t.drafted = {**(t.drafted or {}), as_method: drafted}
+            t.matched = {**(t.matched or {}), as_method: matched}
+            continue
         pad = np.zeros(max(G - len(drafted), 0), dtype=np.int64)  # an acc_len longer than the tokens (its own run)
         if not (t.drafted and method in t.drafted):  # a recorded draft_len is kept
             t.drafted = {**(t.drafted or {}), method: np.concatenate([drafted[:G], pad])}
