@@ -30,6 +30,11 @@ class DraftCost:
     # constants were fitted), or "step", once per head forward: k sequential forwards of one token
     # each, so the cost grows with k. Relative (lookup) costs ignore it.
     per: str = "cycle"
+    # Seconds per token the drafter has not seen when its cycle starts: the tokens other drafters'
+    # cycles emitted while it sat out (a policy switching between drafters), which a drafter with
+    # a cache of its own (a draft model) feeds before it drafts. 0 in the published constants
+    # (one method per run never sits out); specsweep-fit-cost fits it from adaptive runs.
+    c_missed: float = 0.0
 
     def __post_init__(self):
         if self.kind not in ("linear", "relative"):
@@ -37,15 +42,17 @@ class DraftCost:
         if self.per not in ("cycle", "step"):
             raise ValueError(f"draft cost per={self.per!r} is not valid; use cycle or step")
 
-    def time(self, verify, kv_tokens, input_len):
+    def time(self, verify, kv_tokens, input_len, missed=0.0):
         """Seconds to draft one cycle (arrays broadcast): verify is that cycle's target forward,
-        kv_tokens the KV the drafter attends to, input_len the tokens it proposes + 1. A relative
-        cost is given kv_tokens' shape too, so that callers can sum drafters of either kind."""
+        kv_tokens the KV the drafter attends to, input_len the tokens it proposes + 1, missed the
+        tokens it had not seen (c_missed). A relative cost is given kv_tokens' shape too, so that
+        callers can sum drafters of either kind."""
         if self.kind == "relative":
             return self.fraction * verify + np.zeros_like(kv_tokens)
+        catch_up = self.c_missed * np.asarray(missed, dtype=np.float64)
         if self.per == "step":  # one forward per drafted token (input_len - 1 of them)
-            return (np.asarray(input_len) - 1) * (self.c_kv * kv_tokens + self.c_tokens + self.c_fixed)
-        return self.c_kv * kv_tokens + self.c_tokens * input_len + self.c_fixed
+            return (np.asarray(input_len) - 1) * (self.c_kv * kv_tokens + self.c_tokens + self.c_fixed) + catch_up
+        return self.c_kv * kv_tokens + self.c_tokens * input_len + self.c_fixed + catch_up
 
 
 @dataclass

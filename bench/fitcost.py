@@ -4,7 +4,9 @@ From every job's cycles.parquet (a batched cycle counted once):
 - target forward: least squares  t_verify ~ c_kv * kv_tokens + c_compute * batched_tokens + c_fixed,
   where kv_tokens sums the rows' KV lengths and batched_tokens = rows x (longest draft + 1), the
   tokens the engine's verify pass really processes;
-- each neural drafter: t_draft ~ c_kv * kv_tokens + c_tokens * (k + 1) + c_fixed (linear);
+- each neural drafter: t_draft ~ c_kv * kv_tokens + c_tokens * (k + 1) + c_fixed (linear), plus
+  c_missed * missed where it sat out cycles (an adaptive policy's): missed = the tokens the row
+  emitted since it last drafted, which a draft model feeds before drafting (missed_tokens);
 - n-gram: t_draft as a fraction of t_verify (median), as the published model has it;
 - overhead per step: the median of t_other.
 Jobs whose cycles name their drafter (draft_source: combined, adaptive) fit each named method's
@@ -37,6 +39,9 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
         if c.empty:
             continue
         g = batched_cycles(c)
+        if "draft_source" in c.columns:  # the tokens each cycle's drafter had not seen (c_missed's regressor)
+            keys = [k for k in ("run", "repeat", "batch", "cycle") if k in c.columns]
+            g = g.merge(c.assign(missed=missed_tokens(c)).groupby(keys).missed.max().reset_index(), on=keys, how="left")
         g["batched_tokens"] = g.rows * (g.kmax + 1)
         g["method"] = np.where(g.run == "baseline", "autoregressive", s.method)
         job_cfg = Path(sweep_dir) / s.job / "config.yaml"
@@ -64,6 +69,23 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def missed_tokens(c: pd.DataFrame) -> np.ndarray:
+    """Per row and cycle of a job whose cycles name their drafter (draft_source): the tokens the
+    row emitted since that drafter last drafted for it (since the prefill if it has not), which a
+    drafter with its own cache feeds before drafting; the simulator's simulate.missed_tokens, on
+    measured cycles."""
+    keys = [k for k in ("run", "repeat", "batch") if k in c.columns] + ["row"]
+    out = np.zeros(len(c))
+    pos = {ix: i for i, ix in enumerate(c.index)}
+    for _, g in c.sort_values("cycle").groupby(keys):
+        before, last_end = 0, {}
+        for ix, source, emitted in zip(g.index, g.draft_source, g.emitted):
+            out[pos[ix]] = before - last_end.get(source, 0)
+            before += int(emitted)
+            last_end[source] = before
+    return out
+
+
 def _lstsq(X: np.ndarray, y: np.ndarray):
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
     pred = X @ coef
@@ -86,9 +108,19 @@ def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
             model["fit"][m] = {"cycles": len(g), "t_draft_median_s": float(g.t_draft.median())}
             continue
         Xd = np.column_stack([g.kv_tokens, g.kmax + 1, np.ones(len(g))]).astype(float)
-        (dk, dt, df), derr, dr2 = _lstsq(Xd, g.t_draft.to_numpy(float))
+        y = g.t_draft.to_numpy(float)
+        (dk, dt, df), derr, dr2 = _lstsq(Xd, y)
         model["drafters"][m] = {"kind": "linear", "c_kv": float(dk), "c_tokens": float(dt), "c_fixed": float(df)}
         model["fit"][m] = {"cycles": len(g), "relative_rms_error": derr, "r2": dr2}
+        missed = g.missed.fillna(0).to_numpy(float) if "missed" in g else np.zeros(len(g))
+        if (missed > 0).any():  # it sat out cycles (an adaptive policy): what it fed first is a term of its own
+            (dk, dt, df, dm), merr, mr2 = _lstsq(np.column_stack([Xd, missed]), y)
+            if dm > 0:  # a negative cost per token fed is noise: the fit without the term stands
+                model["drafters"][m] = {"kind": "linear", "c_kv": float(dk), "c_tokens": float(dt), "c_fixed": float(df),
+                                        "c_missed": float(dm)}
+                model["fit"][m] = {"cycles": len(g), "relative_rms_error": merr, "r2": mr2,
+                                   "cycles_after_sitting_out": int((missed > 0).sum()),
+                                   "without_c_missed": {"relative_rms_error": derr, "r2": dr2}}
     model["source"] = "fitted by specsweep-fit-cost on measured cycles"
     return model
 

@@ -456,6 +456,31 @@ def test_a_tree_with_m_1_is_the_match_rule(B):
             spec_time(t, Policy.parse("match:ngram+eagle:1:4:3"), "faithful", B))
 
 
+def test_a_drafter_is_charged_for_the_tokens_it_missed_while_it_sat_out():
+    """missed_tokens by hand, and the charge: with c_missed > 0 a policy that switches pays c_missed
+    per token its neural drafter had not seen, one that drafts with it every cycle pays nothing."""
+    from bench.oracle.simulate import missed_tokens
+
+    ran = np.array([[True, False], [True, True], [True, False], [True, True], [False, True]])
+    got = missed_tokens(np.array([2, 3, 1, 4, 2]), ran)
+    assert got[:, 1].tolist() == [0, 2, 0, 1, 0] and got[:, 0].tolist() == [0, 0, 0, 0, 0]
+    assert missed_tokens(np.array([3, 1]), np.array([[False], [False]]))[:, 0].tolist() == [0, 3]
+    c_missed = 2e-3
+    catching = replace(COST, default_neural=replace(COST.default_neural, c_missed=c_missed))
+    t = random_trace(np.random.default_rng(2), G=80)
+
+    def seconds(spec, cost):
+        pol = Policy.parse(spec)
+        return request_times(t, pol, trajectory(t, pol), cost, np.array([1]), "faithful")[1][0]
+
+    pol = Policy.parse("match:ngram+eagle:2:4:3")
+    tr = trajectory(t, pol)
+    fed = missed_tokens(tr.emitted, tr.ran)[:, 1][tr.ran[:, 1]].sum()
+    assert fed > 0
+    assert seconds(pol.name, catching) - seconds(pol.name, COST) == pytest.approx(c_missed * fed)
+    assert seconds("fixed:eagle:3", catching) == pytest.approx(seconds("fixed:eagle:3", COST))
+
+
 def test_a_tree_is_refused_by_the_engines_adaptive_method_and_says_why():
     from backends.native.backend import adaptive_policy
 

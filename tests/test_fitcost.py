@@ -52,3 +52,41 @@ def test_cycles_that_name_their_drafter_fit_that_drafter(tmp_path):
     m = fit(c)
     assert m["drafters"]["ngram"]["kind"] == "relative" and m["drafters"]["draft_model"]["kind"] == "linear"
     assert "adaptive" not in m["drafters"]
+
+
+def test_a_drafter_that_sat_out_cycles_gets_a_cost_per_token_it_had_missed(tmp_path):
+    """An adaptive job whose draft model sits out the n-gram cycles feeds their tokens before it
+    drafts again: missed_tokens counts them per row (since the prefill before its first cycle),
+    and the fit recovers the cost per such token beside the rest of its drafting."""
+    import json
+
+    from bench.fitcost import missed_tokens, unique_cycles
+
+    job = tmp_path / "sweep" / "j"
+    job.mkdir(parents=True)
+    (job / "summary.json").write_text(json.dumps({"job": "j", "status": "ok", "method": "adaptive"}))
+    (job / "config.yaml").write_text("method: {name: adaptive, drafter: mixed}\n")
+    rng = np.random.default_rng(4)
+    rows, since, truth = [], 0, []
+    for cyc in range(60):
+        src = "draft_model" if rng.random() < 0.5 else "ngram"
+        emitted = int(rng.integers(1, 6))
+        truth.append(since if src == "draft_model" else None)
+        since = 0 if src == "draft_model" else since + emitted  # its own cycle's tokens it has seen
+        k = 3 if src == "draft_model" else 5
+        t_draft = 2e-6 * (100 + cyc) + 3e-3 * (k + 1) + 1e-3 + 4e-3 * (truth[-1] or 0) if src == "draft_model" else 1e-4
+        rows.append(dict(run="spec", repeat=0, batch=0, cycle=cyc, row=0, draft_source=src, drafted=k,
+                         accepted=emitted - 1, emitted=emitted, kv_len=100 + cyc, batch_rows=1, t_draft=t_draft,
+                         t_verify=0.05, t_other=0.001))
+    c = pd.DataFrame(rows)
+    got = missed_tokens(c)
+    first_dm = next(i for i, t in enumerate(truth) if t is not None)
+    assert got[first_dm] == c.emitted[:first_dm].sum()  # since the prefill: every token before it
+    for i, t in enumerate(truth):
+        if t is not None and i > first_dm:
+            assert got[i] == t, i
+    c.to_parquet(job / "cycles.parquet")
+    m = fit(unique_cycles(tmp_path / "sweep"))
+    d = m["drafters"]["draft_model"]
+    assert np.isclose(d["c_missed"], 4e-3, rtol=1e-6) and np.isclose(d["c_kv"], 2e-6, rtol=1e-6)
+    assert m["fit"]["draft_model"]["cycles_after_sitting_out"] > 0

@@ -200,11 +200,12 @@ class Tree(Adaptive):
     def observe_lanes(self, st, idx, w, drafts, emitted):
         st.copying[idx] = (drafts[:, 0] > 0) & (w == 0) & (emitted == drafts[:, 0] + 1)
 
-    def draft_time(self, cost, accounting, ran, verify, kv, il):
+    def draft_time(self, cost, accounting, ran, verify, kv, il, missed=None):
         lookup, neural = (cost.draft(m) for m in self.methods)
         # the verify's tokens are both branches'; the neural drafter drafted its own KN only
         return (np.where(ran[..., 0], lookup.time(verify, kv, il), 0.0)
-                + np.where(ran[..., 1], neural.time(verify, kv, self.k_neural + 1 + np.zeros_like(il)), 0.0))
+                + np.where(ran[..., 1], neural.time(verify, kv, self.k_neural + 1 + np.zeros_like(il),
+                                                    0.0 if missed is None else missed[..., 1]), 0.0))
 
     def tune_grid(self):
         """Candidates for --tune: M (1: never a tree; 8: a tree wherever no copy is under way, for
@@ -504,10 +505,11 @@ class Confidence(Adaptive):
             ran[:, 1] = ~cheap
         return w, drafts, ran
 
-    def draft_time(self, cost, accounting, ran, verify, kv, il):
+    def draft_time(self, cost, accounting, ran, verify, kv, il, missed=None):
         w = len(self.methods) - 1
         computed = np.where(il - 1 < self.k, il + 1, il)  # stopped by the threshold: one draft computed, dropped
-        total = np.where(ran[..., w], cost.draft(self.methods[w]).time(verify, kv, computed), 0.0)
+        total = np.where(ran[..., w], cost.draft(self.methods[w]).time(verify, kv, computed,
+                                                                        0.0 if missed is None else missed[..., w]), 0.0)
         if self.combined:  # the lookup runs every cycle: it is how the rule decides
             total = total + np.where(ran[..., 0], cost.draft(self.methods[0]).time(verify, kv, il), 0.0)
         return total

@@ -109,14 +109,15 @@ class Policy:
         """The outcome of the cycles decide chose for lanes idx: method (a tree's: the branch kept),
         drafts (as decide gave them), tokens emitted."""
 
-    def draft_time(self, cost: CostModel, accounting: str, ran, verify, kv, il):
+    def draft_time(self, cost: CostModel, accounting: str, ran, verify, kv, il, missed=None):
         """Drafting charged per cycle, arrays of any broadcastable shape: ran[..., j] whether
         method j's drafter ran, verify the cycle's target forward, kv the KV tokens the drafter
-        sees, il the tokens verified."""
+        sees, il the tokens verified, missed[..., j] the tokens method j's drafter had not seen
+        (simulate.missed_tokens; None: none)."""
         total = np.zeros_like(kv)
         for j, m in enumerate(self.methods):
             dc = cost.draft(m)
-            t = dc.time(verify, kv, il)
+            t = dc.time(verify, kv, il, 0.0 if missed is None else missed[..., j])
             if self.free_empty_lookup and dc.kind == "relative":
                 t = np.where(il == 1, 0.0, t)
             total = total + np.where(ran[..., j], t, 0.0)
@@ -214,10 +215,10 @@ class Combined(Policy):
     def accounting_matters(self, cost):
         return True  # the drafters it is charged for differ (draft_time)
 
-    def draft_time(self, cost, accounting, ran, verify, kv, il):
+    def draft_time(self, cost, accounting, ran, verify, kv, il, missed=None):
         if accounting == "optimistic":  # as published: the cheap drafter only, whichever wins
             return cost.draft(self.methods[0]).time(verify, kv, il)
-        return super().draft_time(cost, accounting, ran, verify, kv, il)
+        return super().draft_time(cost, accounting, ran, verify, kv, il, missed)
 
 
 class Fallback(Policy):
