@@ -70,17 +70,17 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
 
 
 def missed_tokens(c: pd.DataFrame) -> np.ndarray:
-    """Per row and cycle of a job whose cycles name their drafter (draft_source): the tokens the
-    row emitted since that drafter last drafted for it (since the prefill if it has not), which a
-    drafter with its own cache feeds before drafting; the simulator's simulate.missed_tokens, on
-    measured cycles."""
+    """Per row and cycle of a job whose cycles name their drafter (draft_source): what that
+    drafter fed before drafting, the simulator's simulate.missed_tokens on measured cycles: the
+    tokens the row emitted since the drafter last drafted for it, or at its first draft in the
+    row the whole context (kv_len: the native engine prefills a draft model when first picked)."""
     keys = [k for k in ("run", "repeat", "batch") if k in c.columns] + ["row"]
     out = np.zeros(len(c))
     pos = {ix: i for i, ix in enumerate(c.index)}
     for _, g in c.sort_values("cycle").groupby(keys):
         before, last_end = 0, {}
-        for ix, source, emitted in zip(g.index, g.draft_source, g.emitted):
-            out[pos[ix]] = before - last_end.get(source, 0)
+        for ix, source, emitted, kv in zip(g.index, g.draft_source, g.emitted, g.kv_len):
+            out[pos[ix]] = before - last_end[source] if source in last_end else kv
             before += int(emitted)
             last_end[source] = before
     return out

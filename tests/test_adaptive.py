@@ -457,13 +457,15 @@ def test_a_tree_with_m_1_is_the_match_rule(B):
 
 
 def test_a_drafter_is_charged_for_the_tokens_it_missed_while_it_sat_out():
-    """missed_tokens by hand, and the charge: with c_missed > 0 a policy that switches pays c_missed
-    per token its neural drafter had not seen, one that drafts with it every cycle pays nothing."""
+    """missed_tokens by hand, and the charge: with c_missed > 0 a policy pays c_missed per token its
+    neural drafter feeds before drafting: at its first cycle in the request the prompt and every
+    token so far (its prefill, when first picked), later what it sat out; one that drafts every
+    cycle pays for the prompt once."""
     from bench.oracle.simulate import missed_tokens
 
     ran = np.array([[True, False], [True, True], [True, False], [True, True], [False, True]])
-    got = missed_tokens(np.array([2, 3, 1, 4, 2]), ran)
-    assert got[:, 1].tolist() == [0, 2, 0, 1, 0] and got[:, 0].tolist() == [0, 0, 0, 0, 0]
+    got = missed_tokens(np.array([2, 3, 1, 4, 2]), ran, prompt_len=10)
+    assert got[:, 1].tolist() == [10, 12, 0, 1, 0] and got[:, 0].tolist() == [10, 0, 0, 0, 0]
     assert missed_tokens(np.array([3, 1]), np.array([[False], [False]]))[:, 0].tolist() == [0, 3]
     c_missed = 2e-3
     catching = replace(COST, default_neural=replace(COST.default_neural, c_missed=c_missed))
@@ -475,10 +477,10 @@ def test_a_drafter_is_charged_for_the_tokens_it_missed_while_it_sat_out():
 
     pol = Policy.parse("match:ngram+eagle:2:4:3")
     tr = trajectory(t, pol)
-    fed = missed_tokens(tr.emitted, tr.ran)[:, 1][tr.ran[:, 1]].sum()
-    assert fed > 0
-    assert seconds(pol.name, catching) - seconds(pol.name, COST) == pytest.approx(c_missed * fed)
-    assert seconds("fixed:eagle:3", catching) == pytest.approx(seconds("fixed:eagle:3", COST))
+    missed = missed_tokens(tr.emitted, tr.ran, t.prompt_len)[:, 1][tr.ran[:, 1]]
+    assert missed[0] > t.prompt_len and missed[1:].sum() > 0  # a first use after lookup cycles, then sat out
+    assert seconds(pol.name, catching) - seconds(pol.name, COST) == pytest.approx(c_missed * missed.sum())
+    assert seconds("fixed:eagle:3", catching) - seconds("fixed:eagle:3", COST) == pytest.approx(c_missed * t.prompt_len)
 
 
 def test_a_tree_is_refused_by_the_engines_adaptive_method_and_says_why():

@@ -129,6 +129,43 @@ def test_a_draft_model_asked_for_fewer_tokens_keeps_its_cache_in_sync(tiny_llama
     assert all(c["accepted"] == c["drafted"] for c in cycles)
 
 
+class _SitsOut:
+    """A drafter that drafts only every third cycle (an adaptive policy that picked another drafter
+    for the others), while still seeing every cycle's accepted tokens, as the adaptive drafter
+    lets its sub-drafters."""
+
+    def __init__(self, inner):
+        self.inner, self.k, self.capture, self.cycles = inner, inner.k, inner.capture, 0
+
+    def __getattr__(self, name):  # setup, prefill, accepted, release, width
+        return getattr(self.inner, name)
+
+    def propose(self, rows, seqs, sp, gen, k=None):
+        from backends.native.drafters import Proposal
+
+        self.cycles += 1
+        if self.cycles % 3:
+            return Proposal([[] for _ in rows], [None] * len(rows))
+        return self.inner.propose(rows, seqs, sp, gen, k)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_draft_model_that_sat_out_cycles_catches_up(tiny_llama, lazy):
+    """A self-draft that drafts every third cycle only, over three prompts of different lengths
+    (rows behind by different amounts): each row catches up alone before drafting, so every draft
+    is accepted and the output is the target's. lazy: its prompt is fed at its first draft, not at
+    prefill."""
+    target, tok, _, _ = load_model(str(tiny_llama))
+    prompts = _enc(tok, PROMPTS[:3])
+    base, _, _ = generate(target, prompts, 40, SamplingParams())
+    inner = ModelDrafter(load_model(str(tiny_llama))[0], 3, "self", lazy=lazy)
+    spec, cycles, _ = generate(target, prompts, 40, SamplingParams(), drafter=_SitsOut(inner))
+    assert [r.tokens for r in spec] == [r.tokens for r in base]
+    drafted = [c for c in cycles if c["drafted"]]
+    assert drafted and all(c["accepted"] == c["drafted"] for c in drafted)
+    assert len(drafted) < len(cycles)  # it sat out the others
+
+
 def test_speculative_sampling_reproduces_the_target_distribution(tiny_llama, tmp_path):
     """Sampled output of draft/verify (T=1, top_k=2, draft = the target's first 2 of 4 layers
     with its own cache) against the target's exact distribution over the first three tokens:

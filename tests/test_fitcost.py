@@ -56,8 +56,9 @@ def test_cycles_that_name_their_drafter_fit_that_drafter(tmp_path):
 
 def test_a_drafter_that_sat_out_cycles_gets_a_cost_per_token_it_had_missed(tmp_path):
     """An adaptive job whose draft model sits out the n-gram cycles feeds their tokens before it
-    drafts again: missed_tokens counts them per row (since the prefill before its first cycle),
-    and the fit recovers the cost per such token beside the rest of its drafting."""
+    drafts again, and at its first draft in a row the whole context (it is prefilled when first
+    picked): missed_tokens counts them per row, and the fit recovers the cost per token fed
+    beside the rest of its drafting."""
     import json
 
     from bench.fitcost import missed_tokens, unique_cycles
@@ -67,11 +68,12 @@ def test_a_drafter_that_sat_out_cycles_gets_a_cost_per_token_it_had_missed(tmp_p
     (job / "summary.json").write_text(json.dumps({"job": "j", "status": "ok", "method": "adaptive"}))
     (job / "config.yaml").write_text("method: {name: adaptive, drafter: mixed}\n")
     rng = np.random.default_rng(4)
-    rows, since, truth = [], 0, []
+    rows, since, truth, first = [], 0, [], True
     for cyc in range(60):
         src = "draft_model" if rng.random() < 0.5 else "ngram"
         emitted = int(rng.integers(1, 6))
-        truth.append(since if src == "draft_model" else None)
+        truth.append(None if src != "draft_model" else (100 + cyc if first else since))  # first: its kv_len
+        first = first and src != "draft_model"
         since = 0 if src == "draft_model" else since + emitted  # its own cycle's tokens it has seen
         k = 3 if src == "draft_model" else 5
         t_draft = 2e-6 * (100 + cyc) + 3e-3 * (k + 1) + 1e-3 + 4e-3 * (truth[-1] or 0) if src == "draft_model" else 1e-4
@@ -81,9 +83,9 @@ def test_a_drafter_that_sat_out_cycles_gets_a_cost_per_token_it_had_missed(tmp_p
     c = pd.DataFrame(rows)
     got = missed_tokens(c)
     first_dm = next(i for i, t in enumerate(truth) if t is not None)
-    assert got[first_dm] == c.emitted[:first_dm].sum()  # since the prefill: every token before it
+    assert got[first_dm] == 100 + first_dm  # its first draft in the row: the whole context
     for i, t in enumerate(truth):
-        if t is not None and i > first_dm:
+        if t is not None:
             assert got[i] == t, i
     c.to_parquet(job / "cycles.parquet")
     m = fit(unique_cycles(tmp_path / "sweep"))

@@ -212,6 +212,9 @@ class NativeBackend(Backend):
         if name == "adaptive":
             policy, context = adaptive_policy(m)
             subs = [self._make_drafter(n, {**m, "name": n}) for n in policy.methods]
+            for d in subs:  # a drafter the policy may never pick for a request is prefilled when first picked
+                if isinstance(d, ModelDrafter):
+                    d.lazy = True
             return AdaptiveDrafter(policy, list(policy.methods), subs, k,
                                    f"adaptive: policy {policy.name} (k at most {k}) over "
                                    + "; ".join(f"{n}: {d.label}" for n, d in zip(policy.methods, subs)), context)

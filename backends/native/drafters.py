@@ -105,25 +105,39 @@ class ModelDrafter(Drafter):
     draft). Per row, draft_len counts the tokens whose KV the draft cache holds correctly; a
     cycle feeds the missing tail (1 or 2 tokens), then drafts k tokens one forward at a time.
     Rows with a shorter tail re-feed an already cached token at its own position, which rewrites
-    the same values: batching stays one forward per step."""
+    the same values: batching stays one forward per step. A row further behind (cycles it sat
+    out under an adaptive policy; with `lazy`, a prompt not yet fed) first catches up alone, in
+    one forward over what it lacks: lazy, the prompt is fed at the row's first draft, so a
+    policy that never drafts with this model for a request never pays its prefill."""
 
-    def __init__(self, model: Transformer, k: int, label: str, vocab_limit: int | None = None):
-        self.model, self.k, self.label, self.vocab_limit = model, k, label, vocab_limit
+    def __init__(self, model: Transformer, k: int, label: str, vocab_limit: int | None = None, lazy: bool = False):
+        self.model, self.k, self.label, self.vocab_limit, self.lazy = model, k, label, vocab_limit, lazy
         self.draft_len: dict[int, int] = {}
 
     def setup(self, max_batch: int, max_len: int):
         self.model.setup_cache(max_batch, max_len)
 
-    def prefill(self, row: int, prompt: list[int], features=None):
+    def _feed(self, row: int, tokens: list[int], start: int):
+        """Write the KV of tokens at positions start.. for one row (no logits)."""
         dev = self.model.embed.weight.device
-        toks = torch.tensor([prompt], device=dev)
-        pos = torch.arange(len(prompt), device=dev)[None]
+        toks = torch.tensor([tokens], device=dev)
+        pos = torch.arange(start, start + len(tokens), device=dev)[None]
         self.model(toks, pos, rows=torch.tensor([row], device=dev), logits_for=torch.zeros_like(toks, dtype=torch.bool))
+
+    def prefill(self, row: int, prompt: list[int], features=None):
+        if self.lazy:
+            self.draft_len[row] = 0
+            return
+        self._feed(row, prompt, 0)
         self.draft_len[row] = len(prompt)
 
     def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen, k=None) -> Proposal:
         k = self.width(k)
         dev = self.model.embed.weight.device
+        for r, s in zip(rows, seqs):
+            if len(s) - self.draft_len[r] > 2:  # behind by more than a cycle's tail: catch up alone
+                self._feed(r, s[self.draft_len[r]:-1], self.draft_len[r])
+                self.draft_len[r] = len(s) - 1
         tails = [len(s) - self.draft_len[r] for r, s in zip(rows, seqs)]
         T = max(tails)
         toks, pos = [], []

@@ -8,7 +8,9 @@ method, which the switching cost needs) finds the sequence with the least total 
 most throughput. Only the chosen drafter is charged (a clairvoyant decoder need not run the others),
 in both accountings, which differ by the switching cost.
 
-Exact at batch 1: the costs are the simulators' own. Above batch 1 each row is planned as if the
+Exact at batch 1: the costs are the simulators' own, except a drafter's catch-up (DraftCost's
+c_missed, 0 in the published constants), which depends on how long it sat out and which dp does
+not charge: with it dp stays a bound (every path costs it no less) but is no longer exact. Above batch 1 each row is planned as if the
 batch were B rows like it (verify of B x (k + 1) tokens at B x its KV), which is an approximation
 (its rows carry approximate = True): the true set-batch optimum couples the rows.
 """

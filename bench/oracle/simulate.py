@@ -86,17 +86,19 @@ def _result(batch_sizes, speedups, trajs, n_requests: int, per_batch_trajs=None)
     return out
 
 
-def missed_tokens(emitted: np.ndarray, ran: np.ndarray) -> np.ndarray:
-    """Per cycle and method ([cycles, W]), the tokens emitted since that method's drafter last ran
-    (since the prefill if it has not): what it feeds before drafting if it runs now (DraftCost's
-    c_missed). 0 throughout for a drafter that runs every cycle."""
+def missed_tokens(emitted: np.ndarray, ran: np.ndarray, prompt_len: int = 0) -> np.ndarray:
+    """Per cycle and method ([cycles, W]), what that method's drafter feeds before drafting if it
+    runs now (DraftCost's c_missed): the tokens emitted since it last ran, and where it has not
+    run yet in the request, the prompt and every token so far (the native engine prefills a draft
+    model when a policy first picks it). A drafter that runs from the first cycle on, every cycle,
+    feeds the prompt once at cycle 0 (c_missed is fitted only where drafters sit out cycles)."""
     C, W = ran.shape
     before = np.concatenate(([0], np.cumsum(emitted)))  # tokens emitted before cycle c
     out = np.zeros((C, W), dtype=np.float64)
     for j in range(W):
         ends = np.where(ran[:, j], np.arange(1, C + 1), 0)  # the cycle after each run of j
         last = np.concatenate(([0], np.maximum.accumulate(ends)[:-1])) if C else ends
-        out[:, j] = before[:C] - before[last]
+        out[:, j] = np.where(last > 0, before[:C] - before[last], prompt_len + before[:C])
     return out
 
 
@@ -119,7 +121,7 @@ def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: n
     if len(delta):
         delta[-1] -= (1 + emitted.sum()) + P  # the last cycle also frees the request's KV
     kv_mean = kv_before + (Bf[None, :] - 1) / 2 * delta[:, None]
-    missed = missed_tokens(traj.emitted, traj.ran)[:, None, :]
+    missed = missed_tokens(traj.emitted, traj.ran, P)[:, None, :]
     draft = pol.draft_time(cost, accounting, traj.ran[:, None, :], verify, kv_mean, il[:, None], missed)
     step = verify + draft + cost.overhead_per_step
     if pol.charges_switching(accounting) and len(traj.winner) > 1:
@@ -283,7 +285,8 @@ def _set_batches(cost: CostModel, pol: Policy, accounting: str, P, G, trajs, B: 
     row_kv = np.repeat(P + 1, cycles) + before
     verify = cost.verify(np.bincount(at, weights=row_kv, minlength=n), np.bincount(at, weights=il, minlength=n))
     draft = np.zeros(n)
-    missed = np.concatenate([missed_tokens(t.emitted, t.ran) for t in trajs] + [np.zeros((0, len(pol.methods)))])
+    missed = np.concatenate([missed_tokens(t.emitted, t.ran, int(p)) for t, p in zip(trajs, P)]
+                            + [np.zeros((0, len(pol.methods)))])
     np.maximum.at(draft, at, pol.draft_time(cost, accounting, ran, verify[at], row_kv.astype(np.float64),
                                              il.astype(np.float64), missed))
     step = verify + draft + cost.overhead_per_step
