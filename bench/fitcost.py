@@ -5,8 +5,9 @@ From every job's cycles.parquet (a batched cycle counted once):
   where kv_tokens sums the rows' KV lengths and batched_tokens = rows x (longest draft + 1), the
   tokens the engine's verify pass really processes;
 - each neural drafter: t_draft ~ c_kv * kv_tokens + c_tokens * (k + 1) + c_fixed (linear), plus
-  c_missed * missed where it sat out cycles (an adaptive policy's): missed = the tokens the row
-  emitted since it last drafted, which a draft model feeds before drafting (missed_tokens);
+  c_missed * missed where it sat out cycles (an adaptive policy's): missed = what a draft model
+  feeds before drafting, the tokens the row emitted since it last drafted, or at its first draft
+  the whole context (it is prefilled when first picked; missed_tokens);
 - n-gram: t_draft as a fraction of t_verify (median), as the published model has it;
 - overhead per step: the median of t_other.
 Jobs whose cycles name their drafter (draft_source: combined, adaptive) fit each named method's

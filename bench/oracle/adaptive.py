@@ -166,7 +166,6 @@ class Tree(Adaptive):
 
     kind, syntax = "tree", "tree:CHEAP+NEURAL:M:KC:KN"
     switches = True
-    verifies_tree = True
     engine_refusal = ("verifies the lookup's and the neural drafter's drafts together, as a tree; the engine's "
                       "adaptive drafter verifies one chain per row")
     needs_drafted = needs_matched = (0,)

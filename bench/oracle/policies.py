@@ -68,9 +68,6 @@ class Policy:
     # Its choices depend on the batch size, accounting or cost model (Context), so the simulators
     # replay it once per batch size instead of once per request.
     batch_aware: ClassVar[bool] = False
-    # decide gives a draft count per method (a token tree: each method's draft a branch of one
-    # verify; lanes.outcome); the engine's adaptive drafter verifies one chain and refuses it.
-    verifies_tree: ClassVar[bool] = False
     # The methods whose recorded draft lengths (draft_len) it needs; a trace without them is n/a.
     needs_drafted: ClassVar[tuple[int, ...]] = ()
     # ... whose lookup match lengths (match_len), and whose drafter probabilities (draft_prob)
@@ -99,8 +96,8 @@ class Policy:
     def decide(self, st, idx: np.ndarray, pos: np.ndarray, avail: np.ndarray, has: np.ndarray):
         """The cycles of lanes idx starting at generated positions pos (arrays): (index of the
         method whose draft is used, tokens drafted = verified - 1, [n, W] whether each method's
-        drafter ran); a policy that verifies_tree gives the drafts as [n, W], per method
-        (lanes.outcome). avail[:, j] is method j's recorded draft length there (draft_len), valid
+        drafter ran); a policy that verifies several drafts in one forward (tree) gives the
+        drafts as [n, W], per method (lanes.outcome). avail[:, j] is method j's recorded draft length there (draft_len), valid
         where has[:, j]; a policy that reads acceptance (oracle, combined) reads st.lanes.acc, which
         no realizable one does."""
         raise NotImplementedError
