@@ -50,6 +50,7 @@ class LlamaCppConfig(BackendConfig):
     draft/verify loop."""
     _target_: str = "backends.llamacpp.LlamaCppBackend"
     name: str = "llamacpp"
+    rows_setting = "max_rows"  # the sweep's pre-check holds batch_size / load level to it
     threads: int | None = None  # null = 2
     n_ctx: int = 8192  # KV slots shared by all the rows of a batch
     max_rows: int = 16  # sequences one context serves (the largest batch_size)

@@ -40,6 +40,7 @@ class VLLMConfig(BackendConfig):
     (conf/backend/vllm_server.yaml) has the same settings."""
     _target_: str = "backends.vllm.VLLMBackend"
     name: str = "vllm"
+    rows_setting = "max_num_seqs"  # the sweep's pre-check holds batch_size / load level to it
     python: str | None = None  # null = $SPECSWEEP_VLLM_PYTHON, else specsweep-install-vllm's environment
     dtype: str = "float32"  # auto | float32 | bfloat16 | float16
     max_model_len: int = 2048

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 # Columns of a per-cycle record. `row` is the request's index in the submitted batch; t_* are the
 # wall times of the cycle's phases (shared by the rows of one batched cycle): t_draft proposing,
@@ -119,6 +120,9 @@ class BackendConfig:
     arguments, checked by `checked_settings`."""
     _target_: str = "???"  # OmegaConf's MISSING: a subclass names its adapter
     name: str = "???"
+    # The setting that caps how many requests the engine runs at once (vLLM's max_num_seqs), where
+    # one does: the sweep's pre-check refuses a batch_size or load level above it before any job runs.
+    rows_setting: ClassVar[str | None] = None
 
     @classmethod
     def setting_names(cls) -> list[str]:

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from workloads import WorkloadError, WorkloadUnavailable, load_prompts
 
 from . import environment, load, metrics
-from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, instantiate_backend
+from .backend import (CYCLE_FIELDS, Backend, BackendError, BatchOutput, EngineTimeout, Sampling, SettingError, checked_settings,
+                      instantiate_backend)
 from .config import ConfigError, validate
 from .methods import forces_acceptance, split_method_keys
 from .results import (MANIFEST, JobKey, baseline_identity, build_index, file_lock, incomplete_reason, is_complete, job_name,
@@ -82,13 +83,32 @@ def check_job(cfg: DictConfig) -> list[str]:
     check_results_dir(Path(c["results_dir"]).expanduser() / c["sweep_name"], job_name(c))
     settings = {k: v for k, v in c["backend"].items() if k not in ("_target_", "name")}
     method, ignored = engine_method(c)
-    get_class(c["backend"]["_target_"]).check_config(settings, c["model"], method, c["num_speculative_tokens"])
+    adapter = get_class(c["backend"]["_target_"])
+    adapter.check_config(settings, c["model"], method, c["num_speculative_tokens"])
+    check_rows(c, adapter, settings)
     try:
         load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"],
                      **{k: v for k, v in c["workload"].items() if k != "name"})
     except WorkloadUnavailable:
         pass  # recorded as skipped when it runs
     return ignored
+
+
+def check_rows(c: dict, adapter, settings: dict) -> None:
+    """The rows a job runs at once (batch_size; under load the plan's, which load.normalize put in
+    batch_size) within the adapter's cap on them, where its config declares one (rows_setting)."""
+    key = getattr(getattr(adapter, "config_cls", None), "rows_setting", None)
+    if not key:
+        return
+    limit = getattr(checked_settings(settings, adapter.config_cls, c["backend"].get("name")), key)
+    rows = int(c["batch_size"])
+    if rows > limit:
+        load_cfg = c.get("load") or {}
+        what = (f"load.level={load_cfg.get('level')}" if load_cfg.get("kind") == "concurrency"
+                else f"load.max_rows={load_cfg.get('max_rows')}" if load_cfg.get("kind") == "rate"
+                else f"batch_size={rows}")
+        raise ValueError(f"{what} runs {rows} requests at once; backend.{key}={limit} holds fewer: raise it "
+                         f"(backend.{key}={rows}) or lower the rows")
 
 
 class Measurement:

@@ -200,3 +200,25 @@ def test_what_hydra_refuses_on_the_command_line_is_exit_2_bad_input(tmp_path, ov
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert expected in r.stderr and not list(tmp_path.rglob("summary.json"))
+
+
+@pytest.mark.parametrize("overrides, expected, raised", [
+    (["backend=vllm_server", "method=ngram", "load=concurrency", "load.level=16", "load.num_requests=16"],
+     r"load.level=16 runs 16 requests at once; backend.max_num_seqs=8 holds fewer: raise it \(backend.max_num_seqs=16\)",
+     "backend.max_num_seqs=16"),
+    (["backend=llamacpp", "method=ngram", "batch_size=4", "backend.max_rows=2"],
+     r"batch_size=4 runs 4 requests at once; backend.max_rows=2 holds fewer", "backend.max_rows=4"),
+])
+def test_more_rows_at_once_than_the_engine_holds_is_refused_before_any_job(tmp_path, overrides, expected, raised):
+    """An adapter whose config caps the rows it runs at once (rows_setting: vLLM's max_num_seqs,
+    llama.cpp's max_rows): a batch or load level above it stops the sweep's pre-check, not the
+    job after its engine started."""
+    import re
+
+    from bench.runner import check_job
+
+    cfg = _cfg(*overrides, f"results_dir={tmp_path}")
+    with pytest.raises(ValueError) as e:
+        check_job(cfg)
+    assert re.search(expected, str(e.value)), str(e.value)
+    check_job(_cfg(*overrides, raised, f"results_dir={tmp_path}"))  # with the cap raised as it says, it passes
