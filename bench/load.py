@@ -127,17 +127,22 @@ def mean_in_flight(req: pd.DataFrame, wall_s: float) -> float:
 
 def crossover(rows: pd.DataFrame, metric: str = "tpot_speedup") -> pd.DataFrame:
     """Per backend, method, workload and load kind: the highest load level at which SD still
-    paid (metric > 1), the lowest at which it did not, and whether every level below that paid
-    too (a clean crossover) or the curve crossed 1 more than once."""
+    paid, the lowest at which it did not, and whether every level below that paid too (a clean
+    crossover) or the curve crossed 1 more than once. A level pays when its range lies above 1
+    (metric_low > 1: every repeat faster, as the tuned configs ask), or without a range when the
+    metric is > 1; a level whose range holds 1 does not pay and is listed in `straddles`."""
     out = []
     keys = [k for k in ("backend", "method", "workload", "load_kind") if k in rows.columns]
     for key, g in rows[rows.load_kind != "static"].groupby(keys):
         g = g.sort_values("load_level")
-        paid = g[metric] > 1
+        low = g[f"{metric}_low"] if f"{metric}_low" in g else pd.Series(math.nan, index=g.index)
+        high = g[f"{metric}_high"] if f"{metric}_high" in g else pd.Series(math.nan, index=g.index)
+        paid = (low > 1) | (low.isna() & (g[metric] > 1))
+        straddles = g.load_level[~paid & (high >= 1)].tolist()
         last_paid = g.load_level[paid].max() if paid.any() else math.nan
         first_not = g.load_level[~paid].min() if (~paid).any() else math.nan
         clean = not paid.any() or (~paid).sum() == 0 or bool(g.load_level[paid].max() < g.load_level[~paid].min())
         out.append({**dict(zip(keys, key if isinstance(key, tuple) else (key,))), "pays_up_to": last_paid,
                     "stops_paying_at": first_not, "levels": g.load_level.tolist(), metric: g[metric].round(3).tolist(),
-                    "clean": clean})
+                    "clean": clean, "straddles": straddles})
     return pd.DataFrame(out)

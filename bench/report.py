@@ -237,7 +237,9 @@ def load_markdown(df: pd.DataFrame) -> list[str]:
             verdict = f"on up to {unit} {r.pays_up_to:g}, off from {r.stops_paying_at:g}"
         lines.append(f"- {r.backend}/{r.method} on {r.workload}: {verdict}"
                      + ("" if r.clean else " (the curve crosses 1 more than once: noisy, rerun with more repeats)")
-                     + f"; TPOT speedups {r.tpot_speedup} at {r.levels}")
+                     + f"; TPOT speedups {r.tpot_speedup} at {r.levels}"
+                     + (f"; at {', '.join(f'{x:g}' for x in r.straddles)} the repeats' range holds 1 (not counted as paying)"
+                        if r.straddles else ""))
     return lines + [""]
 
 

@@ -65,6 +65,16 @@ def test_crossover_is_the_highest_level_that_still_paid():
     assert not crossover(rows).iloc[0].clean
 
 
+def test_a_level_whose_repeats_straddle_1_does_not_pay():
+    """With the repeats' range: a point estimate above 1 whose range holds 1 is not a level where
+    SD pays (vllm_server at concurrency 16 measured 1.005 [0.885, 1.126])."""
+    rows = pd.DataFrame({"backend": "b", "method": "ngram", "workload": "w", "load_kind": "concurrency",
+                         "load_level": [4, 8, 16], "tpot_speedup": [1.6, 1.31, 1.005],
+                         "tpot_speedup_low": [1.5, 1.21, 0.885], "tpot_speedup_high": [1.7, 1.41, 1.126]})
+    r = crossover(rows).iloc[0]
+    assert r.pays_up_to == 8 and r.stops_paying_at == 16 and r.clean and r.straddles == [16]
+
+
 def test_the_running_batch_comes_from_the_trace_else_the_engines_decode_steps():
     import pandas as pd
 
