@@ -122,7 +122,7 @@ class Match(Adaptive):
 
     @property
     def name(self):
-        return f"match:{'+'.join(self.methods)}:{self.min_match}:{self.k_cheap}:{self.k_neural}"
+        return f"{self.kind}:{'+'.join(self.methods)}:{self.min_match}:{self.k_cheap}:{self.k_neural}"
 
     @classmethod
     def from_args(cls, spec, args):
@@ -145,7 +145,7 @@ class Match(Adaptive):
 
 
 @dataclass(frozen=True)
-class Tree(Adaptive):
+class Tree(Match):
     """The lookup's draft and the neural drafter's verified together where the lookup's match is
     short, one alone where the choice is clear:
     - the lookup proposes nothing here: the neural drafter alone, KN tokens;
@@ -159,27 +159,13 @@ class Tree(Adaptive):
     drafts wherever it runs, the lookup every cycle (it is how the rule decides). M above the
     lookup's longest match length (its max_ngram) gives the tree wherever no copy is under way;
     M = 1 is match:CHEAP+NEURAL:1:KC:KN. Simulator only: the native engine verifies one chain
-    per row."""
-    min_match: int = 1
-    k_cheap: int = 1
-    k_neural: int = 1
-
+    per row. Its spec and fields are match's (the name and parsing come from there)."""
     kind, syntax = "tree", "tree:CHEAP+NEURAL:M:KC:KN"
+    stateless = False
     switches = True
     engine_refusal = ("verifies the lookup's and the neural drafter's drafts together, as a tree; the engine's "
                       "adaptive drafter verifies one chain per row")
     needs_drafted = needs_matched = (0,)
-
-    @property
-    def name(self):
-        return f"tree:{'+'.join(self.methods)}:{self.min_match}:{self.k_cheap}:{self.k_neural}"
-
-    @classmethod
-    def from_args(cls, spec, args):
-        if len(args) != 4:
-            return None
-        ks = [_draft_length(spec, a) for a in args[1:]]
-        return cls(_methods(spec, args[0], 2), 0, *ks)
 
     def lanes_state(self, lanes):
         return SimpleNamespace(lanes=lanes, matched=lanes.by_request([t.matched[self.methods[0]] for t in lanes.traces]),
