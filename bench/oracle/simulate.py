@@ -102,6 +102,12 @@ def missed_tokens(emitted: np.ndarray, ran: np.ndarray, prompt_len: int = 0) -> 
     return out
 
 
+def _charges_catch_up(cost: CostModel, pol: Policy) -> bool:
+    """Whether any of the policy's drafters has a catch-up cost (c_missed): only then is what each
+    cycle's drafters missed worth counting (the published constants have none)."""
+    return any(cost.draft(m).c_missed for m in pol.methods)
+
+
 def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: np.ndarray, accounting: str):
     """Baseline and speculative latency of one request, batched as B copies of itself, for every
     batch size in B at once. Returns (baseline_latency[nB], spec_latency[nB], generated_len)."""
@@ -121,7 +127,7 @@ def request_times(t: Trace, pol: Policy, traj: Trajectory, cost: CostModel, B: n
     if len(delta):
         delta[-1] -= (1 + emitted.sum()) + P  # the last cycle also frees the request's KV
     kv_mean = kv_before + (Bf[None, :] - 1) / 2 * delta[:, None]
-    missed = missed_tokens(traj.emitted, traj.ran, P)[:, None, :]
+    missed = missed_tokens(traj.emitted, traj.ran, P)[:, None, :] if _charges_catch_up(cost, pol) else None
     draft = pol.draft_time(cost, accounting, traj.ran[:, None, :], verify, kv_mean, il[:, None], missed)
     step = verify + draft + cost.overhead_per_step
     if pol.charges_switching(accounting) and len(traj.winner) > 1:
@@ -285,8 +291,10 @@ def _set_batches(cost: CostModel, pol: Policy, accounting: str, P, G, trajs, B: 
     row_kv = np.repeat(P + 1, cycles) + before
     verify = cost.verify(np.bincount(at, weights=row_kv, minlength=n), np.bincount(at, weights=il, minlength=n))
     draft = np.zeros(n)
-    missed = np.concatenate([missed_tokens(t.emitted, t.ran, int(p)) for t, p in zip(trajs, P)]
-                            + [np.zeros((0, len(pol.methods)))])
+    missed = None
+    if _charges_catch_up(cost, pol):
+        missed = np.concatenate([missed_tokens(t.emitted, t.ran, int(p)) for t, p in zip(trajs, P)]
+                                + [np.zeros((0, len(pol.methods)))])
     np.maximum.at(draft, at, pol.draft_time(cost, accounting, ran, verify[at], row_kv.astype(np.float64),
                                              il.astype(np.float64), missed))
     step = verify + draft + cost.overhead_per_step
