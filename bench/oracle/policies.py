@@ -97,9 +97,9 @@ class Policy:
         """The cycles of lanes idx starting at generated positions pos (arrays): (index of the
         method whose draft is used, tokens drafted = verified - 1, [n, W] whether each method's
         drafter ran); a policy that verifies several drafts in one forward (tree) gives the
-        drafts as [n, W], per method (lanes.outcome). avail[:, j] is method j's recorded draft length there (draft_len), valid
-        where has[:, j]; a policy that reads acceptance (oracle, combined) reads st.lanes.acc, which
-        no realizable one does."""
+        drafts as [n, W], per method (lanes.outcome). avail[:, j] is method j's recorded draft
+        length there (draft_len), valid where has[:, j]; a policy that reads acceptance (oracle,
+        combined) reads st.lanes.acc, which no realizable one does."""
         raise NotImplementedError
 
     def learn(self, st, idx: np.ndarray, w: np.ndarray, drafts: np.ndarray, emitted: np.ndarray) -> None:
