@@ -390,18 +390,28 @@ def test_a_server_that_stops_answering_is_a_timeout_not_a_hang(tmp_path):
 
     frozen = []
 
-    def servers():
-        out = subprocess.run(["pgrep", "-f", f"llama-server.*{tmp_path.name}"], capture_output=True, text=True).stdout
+    def servers(port: str = ""):
+        pattern = f"llama-server.*{tmp_path.name}.*--port {port} " if port else f"llama-server.*{tmp_path.name}"
+        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
-    def answered() -> bool:  # a server of the job has finished a request: it is up and measuring
-        return any("print_timing" in p.read_text(errors="replace") for p in tmp_path.rglob("llama-server-*.log"))
+    def answered_ports() -> list[str]:
+        """The ports of the job's servers that have finished a request: up and measuring. Only those are
+        frozen: the other arm's server may be starting at that moment, and one frozen while it starts
+        never becomes healthy (a startup failure, status=error, not what this test is about)."""
+        ports = []
+        for log in tmp_path.rglob("llama-server-*.log"):
+            text = log.read_text(errors="replace")
+            last_start = text.rsplit("\n$ ", 1)[-1]  # the log is appended per start; the latest one counts
+            if "print_timing" in last_start and "--port " in last_start:
+                ports.append(last_start.split("--port ", 1)[1].split()[0])
+        return ports
 
     def freeze():
         deadline = time.time() + 120
         while time.time() < deadline and not frozen:
-            if answered():
-                for pid in servers():
+            for port in answered_ports():
+                for pid in servers(port):
                     os.kill(pid, signal.SIGSTOP)
                     frozen.append(pid)
             time.sleep(0.05)
