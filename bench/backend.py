@@ -216,6 +216,15 @@ class Backend(abc.ABC):
         predict at all; the trace builder then says the method is unavailable."""
         return None
 
+    def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float] | None:
+        """The engine's own numerics at one decision, speculation off: log p(preferred) - log
+        p(other) as the next token after `prefix`, once per batch shape in `shapes` (n: the prefix's
+        last n tokens forwarded together, its start already cached; 0: the whole prefix in one
+        forward); NaN for a shape where either token is not among those the engine lists. The
+        lossless check asks it where a greedy output diverged away from a near-tie (a verify batch
+        is one more shape). None: the engine cannot score a prefix under chosen shapes."""
+        return None
+
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         """Check this engine's settings (the backend config less _target_ and name), the model and

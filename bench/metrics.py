@@ -190,6 +190,18 @@ def first_divergence(spec: list[int], base: list[int]) -> int | None:
     return None if len(spec) == len(base) else min(len(spec), len(base))
 
 
+def within_engine_numerics(margins) -> bool:
+    """A greedy decision the engine's own batch shapes could flip: margins (log p(baseline's token)
+    - log p(the other), one per shape, NaN where unknown) of which at least two are known and
+    either one is <= 0 or they spread by at least their smallest value. A divergence there is not
+    evidence against losslessness; one at a margin the shapes leave far from zero is."""
+    known = [float(m) for m in margins or [] if m is not None and math.isfinite(float(m))]
+    if len(known) < 2:
+        return False
+    lo, hi = min(known), max(known)
+    return lo <= 0 or hi - lo >= lo
+
+
 def by_draft_source(source, drafted, accepted) -> dict:
     """Combined drafters: for each source (e.g. ngram, neural), its share of the cycles and the
     acceptance rate of its own drafts."""

@@ -443,6 +443,8 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                          _throughputs(spec_batches) if speculative else base_tp, speculative,
                          sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps,
                          pairs=_pairs(base_batches, spec_batches) if speculative else None))
+    if speculative and out.get("lossless") == "false":
+        out.update(_weigh_divergences(backend, c, base_req, spec_req, out["lossless_detail"], jdir.name))
     if plan is not None:
         out.update(load_summary(c, base, spec if speculative else base, base_req, spec_req if speculative else base_req,
                                 base_cyc, spec_cyc if speculative else base_cyc, own_base_steps,
@@ -586,6 +588,7 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
         s["lossless"] = "n/a"
     elif speculative:
         s["lossless"], s["lossless_divergences"], s["lossless_near_ties"], s["lossless_detail"] = _lossless(c, base_req, spec_req)
+        s["lossless_shape_ties"] = 0  # (_weigh_divergences counts them where there are divergences to weigh)
     else:
         s["lossless"] = "n/a"
     if not speculative or not have_trace:
@@ -634,6 +637,55 @@ def _cost_ratios(full: pd.DataFrame, plain: pd.DataFrame, k: int, alpha: float) 
     r = metrics.verify_cost_ratio(full.t_verify, plain.t_verify)
     c = float(np.median(full.t_draft)) / k / step
     return {"verify_cost_ratio": r, "draft_cost_ratio": c, "predicted_speedup": metrics.predicted_speedup(alpha, k, c, r)}
+
+
+MAX_NUMERICS_PROBES = 8  # distinct divergences a job asks its engine about (each a few short forwards)
+
+
+def _weigh_divergences(backend: Backend, c: dict, base_req, spec_req, detail: list, job: str) -> dict:
+    """Each greedy divergence away from a near-tie, asked of the engine once more: the margin of the
+    baseline's token over the speculative output's at that position, with speculation off, under
+    the batch shapes a verify of k + 1 tokens spans and the whole prefix at once
+    (Backend.margins_across_shapes). Where those shapes move the margin across zero or by at least
+    its smallest value, the divergence is within the engine's own numerics (a verify batch is one
+    more shape): a shape tie, recorded, not a failure. Engines that cannot score a prefix, a
+    probe that fails, and divergences past the first MAX_NUMERICS_PROBES distinct ones stay
+    failures; the measured outputs are already written, so nothing here can lose them."""
+    ref = base_req[base_req.repeat == base_req.repeat.min()].set_index("request_id")
+    spec_out = spec_req.set_index(["request_id", "repeat"]).output_token_ids
+    shapes = list(range(1, c["num_speculative_tokens"] + 2)) + [0]
+    asked: dict = {}
+    todo = [d for d in detail if not d["near_tie"]]
+    log.info("%s: %d output(s) diverged from the baseline away from a near-tie; asking the engine how its batch "
+             "shapes move those margins", job, len(todo))
+    for d in todo:
+        base = list(ref.loc[d["request_id"]].output_token_ids)
+        spec = list(spec_out.loc[(d["request_id"], d["repeat"])])
+        i = d["position"]
+        d["shape_tie"] = False
+        if i >= len(base) or i >= len(spec):  # one output ended early: no two tokens to weigh
+            d["margins_across_shapes"] = None
+            continue
+        key = (d["request_id"], i, int(spec[i]))
+        if key not in asked:
+            if len(asked) >= MAX_NUMERICS_PROBES:
+                d["margins_across_shapes"], d["probe"] = None, f"not asked: past the first {MAX_NUMERICS_PROBES}"
+                continue
+            prefix = [int(t) for t in ref.loc[d["request_id"]].prompt_token_ids] + [int(t) for t in base[:i]]
+            try:
+                asked[key] = backend.margins_across_shapes(prefix, int(base[i]), int(spec[i]), shapes)
+            except Exception as e:  # the engine could not answer: the divergence stays a failure, with why
+                asked[key] = f"{type(e).__name__}: {e}"
+        got = asked[key]
+        if isinstance(got, str) or got is None:
+            d["margins_across_shapes"] = None
+            d["probe"] = got or f"backend {backend.name} cannot score a prefix under chosen batch shapes"
+            continue
+        d["shapes"], d["margins_across_shapes"] = shapes, [float(m) for m in got]  # shape 0: the whole prefix
+        d["shape_tie"] = metrics.within_engine_numerics(got)
+    failures = sum(not d["near_tie"] and not d.get("shape_tie") for d in detail)
+    return {"lossless": "true" if failures == 0 else "false", "lossless_divergences": failures,
+            "lossless_shape_ties": sum(bool(d.get("shape_tie")) for d in detail)}
 
 
 def _lossless(c, base_req, spec_req):

@@ -116,7 +116,8 @@ class JobSummary(JobKey):
     lossless: str = col("greedy: true when every output equals the baseline's but at near-ties; false; or n/a", LOSSLESS)
     lossless_divergences: int = col("requests that diverged from the baseline away from a near-tie", LOSSLESS)
     lossless_near_ties: int = col("requests that diverged at a near-tied argmax (top-2 margin below lossless_margin_tol)", LOSSLESS)
-    lossless_detail: list = col("per divergence: request, repeat, position, top-2 margin, near tie or not")
+    lossless_shape_ties: int = col("requests that diverged where the engine's own batch shapes move the margin across zero or by at least its size (margins_across_shapes in lossless_detail)", LOSSLESS)
+    lossless_detail: list = col("per divergence: request, repeat, position, top-2 margin, near tie or not; away from a near-tie, the margin under several batch shapes and whether that makes it a shape tie")
     # --- acceptance --------------------------------------------------------------------------------
     acceptance_rate: float = col("alpha: accepted draft tokens / draft tokens", ACCEPT)
     mean_acceptance_length: float = col("tau: 1 + accepted tokens / drafts (the bonus token included)", ACCEPT)

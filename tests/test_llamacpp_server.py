@@ -185,3 +185,40 @@ def test_repack_probe_names_a_crash_and_calls_an_ordinary_failure_inconclusive(t
         try_repack(str(fail), "model.gguf", 2, tmp_path / "fail.log", timeout_s=30)
     with pytest.raises(ValueError, match="backend.repack='sometimes' is not valid"):
         LlamaServerBackend({"path": "gemma3-270m"}, {"name": "ngram"}, repack="sometimes")
+
+
+@pytest.mark.slow
+def test_a_divergence_is_weighed_against_the_servers_own_batch_shapes(model_link, tmp_path):
+    """A speculative output made to diverge where the baseline's greedy choice is clear: the server,
+    asked to score that prefix under six batch shapes, keeps its token ahead by a margin no shape
+    moves near zero, so the divergence stays a failure and its margins are in the detail."""
+    import httpx
+    import pandas as pd
+
+    from bench.runner import _lossless, _weigh_divergences
+
+    b = LlamaServerBackend({"path": model_link}, {"name": "ngram"}, num_speculative_tokens=4)
+    b.set_artifact_dir(tmp_path / "job")
+    try:
+        ids = b.tokenize(load_prompts("code_edit", 1, seed=0)[0].text)
+        r = b.generate([ids], Sampling(), 24, speculative=False).requests[0]
+        i = max(range(4, len(r.top2_margins)), key=lambda j: r.top2_margins[j])  # the clearest decision
+        prefix = ids + list(r.output_token_ids[:i])
+        top = httpx.post(b.servers[False].url + "/completion", json={"prompt": prefix, "n_predict": 1, "n_probs": 2,
+                                                                    "temperature": 0, "cache_prompt": False}).json()
+        first, runner_up = (int(c["id"]) for c in top["completion_probabilities"][0]["top_logprobs"])
+        assert first == r.output_token_ids[i]
+        base = pd.DataFrame({"request_id": ["a"], "repeat": [0], "prompt_token_ids": [ids],
+                             "output_token_ids": [list(r.output_token_ids)], "top2_margins": [list(r.top2_margins)]})
+        spec = pd.DataFrame({"request_id": ["a"], "repeat": [0], "output_token_ids": [prefix[len(ids):] + [runner_up]]})
+        cfg = {"temperature": 0.0, "lossless_margin_tol": 0.05, "num_speculative_tokens": 4}
+        detail = _lossless(cfg, base, spec)[3]
+        out = _weigh_divergences(b, cfg, base, spec, detail, "job")
+    finally:
+        b.close()
+    assert out == {"lossless": "false", "lossless_divergences": 1, "lossless_shape_ties": 0}
+    d = detail[0]
+    assert d["position"] == i and d["shapes"] == [1, 2, 3, 4, 5, 0] and d["shape_tie"] is False
+    assert all(m > 1.0 for m in d["margins_across_shapes"]), d  # its token stays well ahead under every shape
+    assert abs(d["margins_across_shapes"][-1] - r.top2_margins[i]) < 1.0  # the same decision the baseline made
+    assert not _servers_with(model_link)
