@@ -205,6 +205,10 @@ class LlamaCppBackend(Backend):
     def detokenize(self, ids) -> str:
         return self._call({"op": "detokenize", "ids": list(ids)})["text"]
 
+    def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float]:
+        return self._call({"op": "margins", "prefix": [int(t) for t in prefix], "preferred": int(preferred),
+                           "other": int(other), "shapes": [int(n) for n in shapes]}, self.cfg.request_timeout_s)["margins"]
+
     def describe(self) -> dict:
         return {"engine": "llama.cpp (llama-cpp-python)", "llama_cpp": library_version(),
                 "threads": self.threads, "model_resolved": self.path, "flash_attn": self.cfg.flash_attn,

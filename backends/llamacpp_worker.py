@@ -21,6 +21,7 @@ recovered by wrapping the drafter and replaying its proposals against the final 
 Requests: {"op": "init", "llm": {...}} (see Engine), {"op": "generate", "prompts", "sampling",
 "max_new_tokens", "speculative"[, "plan"]} (a plan: a LoadPlan's fields, served by the scheduler),
 {"op": "tokenize", "text"}, {"op": "detokenize", "ids"},
+{"op": "margins", "prefix", "preferred", "other", "shapes"} (Engine.margins_across_shapes),
 {"op": "close"}. `python -m backends.llamacpp_worker --probe GGUF --threads N` is the repack probe.
 """
 from __future__ import annotations
@@ -245,6 +246,27 @@ class Engine:
             return self._generate_library(prompts, sampling, max_new_tokens, speculative)
         return self._generate_loop(prompts, sampling, max_new_tokens, speculative, plan)
 
+    def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float]:
+        """Backend.margins_across_shapes on the target context, sequence 0 from an empty cache each
+        time: the prefix less its last n tokens decoded first (in n_batch pieces), then those n in
+        one decode; n = 0: the whole prefix from the start."""
+        t, out = self.target, []
+        for n in shapes:
+            t.clear()
+            split = len(prefix) - n if 0 < n < len(prefix) else 0
+            pieces = [prefix[i:min(i + 512, split)] for i in range(0, split, 512)]
+            pieces += [prefix[i:i + 512] for i in range(split, len(prefix), 512)]
+            pos, logits = 0, None
+            for j, piece in enumerate(pieces):
+                wanted = [False] * (len(piece) - 1) + [j == len(pieces) - 1]
+                got = t.decode([(0, piece, pos, wanted)])
+                logits = got[0].copy() if got else logits
+                pos += len(piece)
+            lp = torch.log_softmax(torch.from_numpy(logits).double(), -1)
+            out.append(float(lp[preferred] - lp[other]))
+        t.clear()
+        return out
+
     # ------------------------------------------------------------------ the draft/verify loop
 
     def _generate_loop(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
@@ -392,6 +414,8 @@ def main() -> int:
     return serve({
         "init": init,
         "generate": generate,
+        "margins": lambda req: {"margins": state["engine"].margins_across_shapes(req["prefix"], req["preferred"],
+                                                                                 req["other"], req["shapes"])},
         "tokenize": lambda req: {"ids": state["engine"].target.llm.tokenize(req["text"].encode(), add_bos=True,
                                                                            special=False)},
         "detokenize": lambda req: {"text": state["engine"].target.llm.detokenize(req["ids"]).decode(errors="replace")},

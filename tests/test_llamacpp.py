@@ -233,3 +233,40 @@ def test_a_sweep_killed_by_sigkill_leaves_no_engine_process(tmp_path):
     left = left_after(family, group, timeout_s=30, poll_s=0.2)
     assert not left, [cmdline(x) for x in left]
     assert not list((tmp_path / "k").glob("*/summary.json"))  # the killed job left no result
+
+
+@pytest.mark.slow
+def test_a_divergence_is_weighed_against_the_in_process_engines_own_batch_shapes(code_edit_prompts):
+    """A speculative output made to diverge where the baseline's greedy choice is clear: scored in
+    the worker's context under six batch shapes, the baseline's token stays far ahead, so the
+    divergence stays a failure, with its margins in the detail."""
+    import pandas as pd
+
+    from bench.runner import _lossless, _weigh_divergences
+
+    b = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, num_speculative_tokens=4)
+    try:
+        ids = b.tokenize(code_edit_prompts[0])
+        r = b.generate([ids], Sampling(), 24, speculative=False).requests[0]
+        i = max(range(4, len(r.top2_margins)), key=lambda j: r.top2_margins[j])  # the clearest decision
+        out_ids = list(r.output_token_ids)
+        other = next(t for t in out_ids if t != out_ids[i])
+        assert b.margins_across_shapes(ids + out_ids[:i], out_ids[i], out_ids[i], [1, 0]) == [0.0, 0.0]
+        # at clear decisions the shapes agree closely: a probe whose cache held the wrong tokens would not
+        clear = sorted(range(4, len(out_ids)), key=lambda j: -r.top2_margins[j])[:4]
+        spreads = [max(m) - min(m) for m in (b.margins_across_shapes(ids + out_ids[:j], out_ids[j], other, [1, 3, 5, 0])
+                                            for j in clear)]
+        base = pd.DataFrame({"request_id": ["a"], "repeat": [0], "prompt_token_ids": [ids], "output_token_ids": [out_ids],
+                             "top2_margins": [list(r.top2_margins)]})
+        spec = pd.DataFrame({"request_id": ["a"], "repeat": [0], "output_token_ids": [out_ids[:i] + [other]]})
+        cfg = {"temperature": 0.0, "lossless_margin_tol": 0.05, "num_speculative_tokens": 4}
+        detail = _lossless(cfg, base, spec)[3]
+        got = _weigh_divergences(b, cfg, base, spec, detail, "job")
+    finally:
+        b.close()
+    assert got == {"lossless": "false", "lossless_divergences": 1, "lossless_shape_ties": 0}
+    d = detail[0]
+    assert d["shapes"] == [1, 2, 3, 4, 5, 0] and d["shape_tie"] is False
+    # a token other than the clear winner: at least the top-2 margin behind it under every shape (less a little)
+    assert all(m > r.top2_margins[i] - 1.0 for m in d["margins_across_shapes"]), (r.top2_margins[i], d)
+    assert max(spreads) < 1.0, spreads

@@ -204,9 +204,13 @@ def test_a_divergence_is_weighed_against_the_servers_own_batch_shapes(model_link
         r = b.generate([ids], Sampling(), 24, speculative=False).requests[0]
         i = max(range(4, len(r.top2_margins)), key=lambda j: r.top2_margins[j])  # the clearest decision
         prefix = ids + list(r.output_token_ids[:i])
-        top = httpx.post(b.servers[False].url + "/completion", json={"prompt": prefix, "n_predict": 1, "n_probs": 2,
-                                                                    "temperature": 0, "cache_prompt": False}).json()
-        first, runner_up = (int(c["id"]) for c in top["completion_probabilities"][0]["top_logprobs"])
+
+        def top2(ids_so_far):
+            got = httpx.post(b.servers[False].url + "/completion", json={"prompt": ids_so_far, "n_predict": 1, "n_probs": 2,
+                                                                        "temperature": 0, "cache_prompt": False}).json()
+            return [int(c["id"]) for c in got["completion_probabilities"][0]["top_logprobs"]]
+
+        first, runner_up = top2(prefix)
         assert first == r.output_token_ids[i]
         base = pd.DataFrame({"request_id": ["a"], "repeat": [0], "prompt_token_ids": [ids],
                              "output_token_ids": [list(r.output_token_ids)], "top2_margins": [list(r.top2_margins)]})
@@ -214,6 +218,13 @@ def test_a_divergence_is_weighed_against_the_servers_own_batch_shapes(model_link
         cfg = {"temperature": 0.0, "lossless_margin_tol": 0.05, "num_speculative_tokens": 4}
         detail = _lossless(cfg, base, spec)[3]
         out = _weigh_divergences(b, cfg, base, spec, detail, "job")
+        # at clear decisions the shapes agree closely: a probe whose cache held the wrong tokens would not
+        clear = sorted(range(4, len(r.output_token_ids)), key=lambda j: -r.top2_margins[j])[:3]
+        spreads = []
+        for j in clear:
+            before = ids + list(r.output_token_ids[:j])
+            m = b.margins_across_shapes(before, r.output_token_ids[j], top2(before)[1], [1, 3, 0])
+            spreads.append(max(m) - min(m))
     finally:
         b.close()
     assert out == {"lossless": "false", "lossless_divergences": 1, "lossless_shape_ties": 0}
@@ -221,4 +232,5 @@ def test_a_divergence_is_weighed_against_the_servers_own_batch_shapes(model_link
     assert d["position"] == i and d["shapes"] == [1, 2, 3, 4, 5, 0] and d["shape_tie"] is False
     assert all(m > 1.0 for m in d["margins_across_shapes"]), d  # its token stays well ahead under every shape
     assert abs(d["margins_across_shapes"][-1] - r.top2_margins[i]) < 1.0  # the same decision the baseline made
+    assert max(spreads) < 1.0, spreads
     assert not _servers_with(model_link)
