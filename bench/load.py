@@ -14,6 +14,7 @@ met every SLO given (slo.ttft_ms on time to first token, slo.tpot_ms on time per
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -115,8 +116,42 @@ def tpot_speedup(base_req: pd.DataFrame, spec_req: pd.DataFrame) -> dict:
               for r in sorted(set(spec_req.repeat) & set(base_req.repeat))]
     ratios = [x for x in ratios if x == x]
     if not ratios:
-        return {"tpot_speedup": math.nan, "tpot_speedup_low": math.nan, "tpot_speedup_high": math.nan}
-    return {"tpot_speedup": float(np.median(ratios)), "tpot_speedup_low": min(ratios), "tpot_speedup_high": max(ratios)}
+        return {"tpot_speedup": math.nan, "tpot_speedup_low": math.nan, "tpot_speedup_high": math.nan,
+                "tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
+    return {"tpot_speedup": float(np.median(ratios)), "tpot_speedup_low": min(ratios), "tpot_speedup_high": max(ratios),
+            **tpot_speedup_interval(base_req, spec_req)}
+
+
+def tpot_speedup_interval(base_req: pd.DataFrame, spec_req: pd.DataFrame, n_boot: int = 2000,
+                          seed: int = 0) -> dict:
+    """A 95% interval for tpot_speedup over which requests were drawn: a cluster bootstrap that
+    resamples request ids with replacement, one draw for both arms and every repeat (a request
+    keeps its pair: the same prompt at the same arrival with SD on and off), and recomputes the
+    median over repeats of baseline p50 TPOT / speculative p50 TPOT. The repeats' range says how
+    far runs moved; this says how far the point could move with other requests of the workload.
+    NaN with fewer than 2 requests."""
+    if "request_id" not in spec_req or "request_id" not in base_req:
+        return {"tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
+    repeats = sorted(set(spec_req.repeat) & set(base_req.repeat))
+    ids = sorted(set(spec_req.request_id) & set(base_req.request_id))
+    if len(ids) < 2 or not repeats:
+        return {"tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
+
+    def table(req):  # [repeat, request] TPOT, NaN where a request has none (a one-token answer)
+        t = req.pivot_table(index="repeat", columns="request_id", values="tpot_s", aggfunc="first", dropna=False)
+        return t.reindex(index=repeats, columns=ids).to_numpy(float)
+
+    base, spec = table(base_req), table(spec_req)
+    draw = np.random.default_rng(seed).integers(0, len(ids), size=(n_boot, len(ids)))
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN resample of a repeat: NaN, dropped below
+        per_repeat = np.nanmedian(base[:, draw], axis=2) / np.nanmedian(spec[:, draw], axis=2)  # [repeat, boot]
+        boots = np.nanmedian(per_repeat, axis=0)
+    boots = boots[np.isfinite(boots)]
+    if not len(boots):
+        return {"tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return {"tpot_speedup_ci_low": float(lo), "tpot_speedup_ci_high": float(hi)}
 
 
 def mean_in_flight(req: pd.DataFrame, wall_s: float) -> float:
@@ -130,7 +165,9 @@ def crossover(rows: pd.DataFrame, metric: str = "tpot_speedup") -> pd.DataFrame:
     paid, the lowest at which it did not, and whether every level below that paid too (a clean
     crossover) or the curve crossed 1 more than once. A level pays when its range lies above 1
     (metric_low > 1: every repeat faster, as the tuned configs ask), or without a range when the
-    metric is > 1; a level whose range holds 1 does not pay and is listed in `straddles`."""
+    metric is > 1; a level whose range holds 1 does not pay and is listed in `straddles`. A level
+    that pays by its repeats while its 95% interval over requests (metric_ci_low) holds 1 is
+    listed in `uncertain`: every run was faster, but other requests of the workload might not be."""
     out = []
     keys = [k for k in ("backend", "method", "workload", "load_kind") if k in rows.columns]
     for key, g in rows[rows.load_kind != "static"].groupby(keys):
@@ -139,10 +176,12 @@ def crossover(rows: pd.DataFrame, metric: str = "tpot_speedup") -> pd.DataFrame:
         high = g[f"{metric}_high"] if f"{metric}_high" in g else pd.Series(math.nan, index=g.index)
         paid = (low > 1) | (low.isna() & (g[metric] > 1))
         straddles = g.load_level[~paid & (high >= 1)].tolist()
+        ci_low = g[f"{metric}_ci_low"] if f"{metric}_ci_low" in g else pd.Series(math.nan, index=g.index)
+        uncertain = g.load_level[paid & (ci_low <= 1)].tolist()
         last_paid = g.load_level[paid].max() if paid.any() else math.nan
         first_not = g.load_level[~paid].min() if (~paid).any() else math.nan
         clean = not paid.any() or (~paid).sum() == 0 or bool(g.load_level[paid].max() < g.load_level[~paid].min())
         out.append({**dict(zip(keys, key if isinstance(key, tuple) else (key,))), "pays_up_to": last_paid,
                     "stops_paying_at": first_not, "levels": g.load_level.tolist(), metric: g[metric].round(3).tolist(),
-                    "clean": clean, "straddles": straddles})
+                    "clean": clean, "straddles": straddles, "uncertain": uncertain})
     return pd.DataFrame(out)

@@ -219,11 +219,12 @@ def load_markdown(df: pd.DataFrame) -> list[str]:
     if d.empty:
         return []
     cols = ["backend", "method", "workload", "load_label", "tpot_speedup", "tpot_speedup_low", "tpot_speedup_high",
-            "speedup", "goodput_rps", "baseline_goodput_rps", "tpot_p50", "baseline_tpot_p50", "ttft_p50",
+            "tpot_speedup_ci_low", "tpot_speedup_ci_high", "speedup", "goodput_rps", "baseline_goodput_rps", "tpot_p50", "baseline_tpot_p50", "ttft_p50",
             "baseline_ttft_p50", "mean_running_batch", "mean_in_flight", "acceptance_rate"]
     lines = ["## Under load", "",
              "Each load point served the same requests with the same arrivals with SD on and off, interleaved. "
-             "tpot_speedup = baseline p50 TPOT / SD p50 TPOT (the bracket: the repeats' own ratios); speedup = output "
+             "tpot_speedup = baseline p50 TPOT / SD p50 TPOT (low/high: the repeats' own ratios; ci: its 95% interval over "
+             "requests, a paired bootstrap); speedup = output "
              "throughput ratio; goodput = requests/s within the SLOs (docs/metrics.md).", "",
              markdown_table(d.sort_values(["backend", "method", "workload", "load_kind", "load_level"]), cols), "",
              "### Where speculation stops paying", ""]
@@ -239,7 +240,9 @@ def load_markdown(df: pd.DataFrame) -> list[str]:
                      + ("" if r.clean else " (the curve crosses 1 more than once: noisy, rerun with more repeats)")
                      + f"; TPOT speedups {r.tpot_speedup} at {r.levels}"
                      + (f"; at {', '.join(f'{x:g}' for x in r.straddles)} the repeats' range holds 1 (not counted as paying)"
-                        if r.straddles else ""))
+                        if r.straddles else "")
+                     + (f"; at {', '.join(f'{x:g}' for x in r.uncertain)} every repeat paid but the 95% interval over "
+                        "requests holds 1 (more requests a level would settle it)" if r.uncertain else ""))
     return lines + [""]
 
 

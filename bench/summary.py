@@ -164,6 +164,8 @@ class JobSummary(JobKey):
     tpot_speedup: float = col("median over repeats of each repeat's baseline p50 TPOT / method p50 TPOT", LOAD)
     tpot_speedup_low: float = col("the lowest of the repeats' own TPOT ratios", LOAD)
     tpot_speedup_high: float = col("the highest of the repeats' own TPOT ratios", LOAD)
+    tpot_speedup_ci_low: float = col("95% interval of tpot_speedup over requests: a cluster bootstrap of request ids, both arms together", LOAD)
+    tpot_speedup_ci_high: float = col("its upper end", LOAD)
     goodput_ratio: float = col("goodput_rps / baseline_goodput_rps", LOAD)
     slo_ttft_ms: float = col("the TTFT SLO the goodput counts against, ms (null: none)")
     slo_tpot_ms: float = col("the TPOT SLO the goodput counts against, ms (null: none)")

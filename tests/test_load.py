@@ -52,8 +52,31 @@ def test_tpot_speedup_is_the_median_of_the_repeats_own_ratios_and_lies_in_their_
     assert got["tpot_speedup"] == pytest.approx((1 + 7 / 6) / 2)
     # a repeat with no TPOT (one-token answers) is left out, not a NaN that poisons the median
     none = pd.DataFrame({"repeat": [0, 1], "tpot_s": [0.1, np.nan]})
-    assert tpot_speedup(pd.DataFrame({"repeat": [0, 1], "tpot_s": [0.2, 0.2]}), none) == {
-        "tpot_speedup": 2.0, "tpot_speedup_low": 2.0, "tpot_speedup_high": 2.0}
+    got = tpot_speedup(pd.DataFrame({"repeat": [0, 1], "tpot_s": [0.2, 0.2]}), none)
+    assert (got["tpot_speedup"], got["tpot_speedup_low"], got["tpot_speedup_high"]) == (2.0, 2.0, 2.0)
+
+
+def test_tpot_speedups_interval_over_requests_keeps_each_requests_pair():
+    from bench.load import tpot_speedup_interval
+
+    ids = [f"r{i}" for i in range(12)]
+    rng = np.random.default_rng(3)
+    slow = rng.uniform(0.05, 0.5, size=12)  # requests differ a lot; SD halves every one's TPOT
+    base = pd.DataFrame({"repeat": 0, "request_id": ids, "tpot_s": slow})
+    spec = base.assign(tpot_s=slow / 2)
+    got = tpot_speedup_interval(base, spec)
+    # resampled as pairs, every draw's ratio is 2: an unpaired resampling would spread it widely
+    assert got["tpot_speedup_ci_low"] == pytest.approx(2.0) and got["tpot_speedup_ci_high"] == pytest.approx(2.0)
+    # half the requests twice as fast, half twice as slow: the interval holds 1 and both extremes stay out
+    mixed = base.assign(tpot_s=np.where(np.arange(12) % 2 == 0, slow / 2, slow * 2))
+    got = tpot_speedup_interval(base, mixed)
+    assert 0.5 < got["tpot_speedup_ci_low"] < 1 < got["tpot_speedup_ci_high"] < 2
+    # two repeats: the statistic is the median over repeats of each repeat's ratio, as tpot_speedup's point
+    two = pd.concat([base, base.assign(repeat=1, tpot_s=slow * 1.5)])
+    got = tpot_speedup(two, pd.concat([spec, spec.assign(repeat=1, tpot_s=slow * 1.5 / 4)]))
+    assert got["tpot_speedup"] == pytest.approx(3.0) and got["tpot_speedup_ci_low"] == pytest.approx(3.0)
+    one = tpot_speedup_interval(base.head(1), spec.head(1))  # one request: no interval
+    assert one["tpot_speedup_ci_low"] != one["tpot_speedup_ci_low"]
 
 
 def test_crossover_is_the_highest_level_that_still_paid():
@@ -72,7 +95,11 @@ def test_a_level_whose_repeats_straddle_1_does_not_pay():
                          "load_level": [4, 8, 16], "tpot_speedup": [1.6, 1.31, 1.005],
                          "tpot_speedup_low": [1.5, 1.21, 0.885], "tpot_speedup_high": [1.7, 1.41, 1.126]})
     r = crossover(rows).iloc[0]
-    assert r.pays_up_to == 8 and r.stops_paying_at == 16 and r.clean and r.straddles == [16]
+    assert r.pays_up_to == 8 and r.stops_paying_at == 16 and r.clean and r.straddles == [16] and r.uncertain == []
+    # every repeat paid at 8, but over requests its interval holds 1: still paying, and named
+    rows["tpot_speedup_ci_low"], rows["tpot_speedup_ci_high"] = [1.2, 0.97, 0.8], [2.0, 1.6, 1.2]
+    r = crossover(rows).iloc[0]
+    assert r.pays_up_to == 8 and r.uncertain == [8]
 
 
 def test_the_running_batch_comes_from_the_trace_else_the_engines_decode_steps():
