@@ -7,7 +7,8 @@ parameterized by the metric names each engine exports.
 |------------------|----------------------------|----------|----------------------------------|
 | llama_completion | POST /completion           | no       | llama-server                     |
 | openai_stream    | POST /v1/completions       | yes      | vLLM (return_token_ids)          |
-| sglang_generate  | POST /generate             | no       | SGLang                           |
+| sglang_generate  | POST /generate             | no       | SGLang (static batches)          |
+| sglang_stream    | POST /generate, stream     | yes      | SGLang (load runs)               |
 
 Every request is sent as token ids (the harness tokenized the prompt once, for both arms) and
 timed from the moment its batch was submitted (t0): a request's e2e_s, and for streamed
@@ -153,10 +154,52 @@ async def sglang_generate(client, q: Request) -> RequestOutput:
     return sglang_output(r.json(), time.perf_counter() - q.t0, q.k)
 
 
+async def sglang_stream(client, q: Request) -> RequestOutput:
+    """SGLang's /generate with stream: server-sent events `data: {"output_ids", "meta_info"}`, one
+    per output chunk (a decode step's tokens: with speculation a verify's), then `data: [DONE]`.
+    output_ids is the whole output so far (SGLang's default) or only the chunk's new tokens (under
+    --incremental-streaming-output); meta_info.completion_tokens, the count so far, tells which.
+    Each chunk that brings tokens is stamped on arrival (the first: the client's TTFT); the
+    finished chunk's meta_info holds the request's acceptance record. A chunk {"error": ...}, or a
+    request SGLang aborted (finish_reason type abort), is a BackendError with its message."""
+    s = q.sampling
+    params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+              "top_k": s.top_k if s.top_k > 0 else -1, "sampling_seed": s.seed}
+    body = {"input_ids": list(q.prompt), "sampling_params": params, "stream": True}
+    ids, times, meta = [], [], {}
+    async with client.stream("POST", q.url + "/generate", json=body, timeout=q.timeout_s) as r:
+        await _check(r, "/generate", "SGLang's server")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                raise BackendError(f"SGLang's server at {q.url} streamed an error: {d['error']}")
+            got = [int(t) for t in d.get("output_ids") or []]
+            meta = d.get("meta_info") or meta
+            had = len(ids)
+            if meta.get("completion_tokens") == len(got) and got[:had] == ids:
+                ids = got  # the whole output so far
+            else:
+                ids = ids + got  # only this chunk's tokens
+            if len(ids) > had:
+                times.append(time.perf_counter() - q.t0)
+    reason = meta.get("finish_reason") or {}
+    if reason.get("type") == "abort":
+        raise BackendError(f"SGLang's server at {q.url} aborted a request: {reason.get('message', reason)}")
+    if not times:
+        raise BackendError(f"SGLang's server at {q.url} streamed no tokens for a prompt of {len(q.prompt)} tokens")
+    counts = sglang_request_counts(meta, q.k) if q.k else None
+    return RequestOutput(ids, times[0], times[-1], times, finished_by=_finished_by(reason.get("type")),
+                         drafted=counts.draft_tokens if counts else None,
+                         accepted=counts.accepted_tokens if counts else None, spec_counters=counts)
+
+
 PROTOCOLS: dict[str, Callable[..., Awaitable[RequestOutput]]] = {
     "llama_completion": llama_completion,
     "openai_stream": openai_stream,
     "sglang_generate": sglang_generate,
+    "sglang_stream": sglang_stream,
 }
 
 

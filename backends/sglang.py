@@ -39,11 +39,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import (Backend, BackendConfig, BatchOutput, RequestOutput, Sampling, SpecCounters,
+from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput, Sampling, SpecCounters,
                            check_positive_seconds, checked_settings)
 
 from .processes import Pool, ServerProcess, Worker, cli_flags
-from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, sglang_output,
+from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, serve_load, sglang_output,
                       sglang_request_counts)
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
@@ -60,7 +60,8 @@ class SGLangConfig(BackendConfig):
     python: str | None = None  # null = $SPECSWEEP_SGLANG_PYTHON, else the running interpreter
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     context_length: int = 2048
-    max_running_requests: int = 8  # at least the largest batch_size of the sweep
+    max_running_requests: int = 8  # at least the largest batch_size (or load level) of the sweep
+    rows_setting = "max_running_requests"  # the sweep's pre-check holds batch_size / load level to it
     mem_fraction_static: float = 0.5  # share of GPU memory for weights and KV cache
     disable_cuda_graph: bool = False
     startup_timeout_s: float = 900.0
@@ -183,8 +184,8 @@ class SGLangBackend(Backend):
 
     def _engine(self, speculative: bool, batch: int):
         if batch > self.cfg.max_running_requests:
-            raise ValueError(f"batch_size={batch} is above backend.max_running_requests="
-                             f"{self.cfg.max_running_requests}; raise it so the whole batch runs together")
+            raise ValueError(f"{batch} rows at once (batch_size or load level) is above backend.max_running_requests="
+                             f"{self.cfg.max_running_requests}; raise it so they all run together")
         args = self._args(speculative)
         key = json.dumps([self.name, self.python, args], sort_keys=True)
         kind = self.spec.get("speculative_algorithm", "baseline") if speculative else "baseline"
@@ -215,20 +216,25 @@ class SGLangBackend(Backend):
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         spec = speculative and bool(self.spec)
         e = self._engine(spec, len(prompts))
-        params = self._sampling(sampling, max_new_tokens)
-        counters = {}
         if self.server:
-            before = e.counters()
-            reqs, wall = send_batch("sglang_generate", e.url, prompts, sampling, max_new_tokens,
-                                    self.cfg.request_timeout_s, "SGLang's server", e.log_tail, k=self.k if spec else 0)
-            counters = counter_delta(before, e.counters())
-            sc = sum((r.spec_counters for r in reqs), SpecCounters(0, 0, 0, [0] * self.k)) if spec else None
-        else:
-            got = e.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "sampling": params},
-                         self.cfg.request_timeout_s)
-            wall = got["wall_s"]
-            reqs = [request_output(d, wall, spec, self.k) for d in got["outputs"]]
-            sc = batch_counters([d.get("meta_info", {}) for d in got["outputs"]], self.k) if spec else None
+            return self._served(e, spec, lambda: send_batch("sglang_generate", e.url, prompts, sampling, max_new_tokens,
+                                                            self.cfg.request_timeout_s, "SGLang's server", e.log_tail,
+                                                            k=self.k if spec else 0))
+        got = e.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
+                      "sampling": self._sampling(sampling, max_new_tokens)}, self.cfg.request_timeout_s)
+        wall = got["wall_s"]
+        reqs = [request_output(d, wall, spec, self.k) for d in got["outputs"]]
+        sc = batch_counters([d.get("meta_info", {}) for d in got["outputs"]], self.k) if spec else None
+        return BatchOutput(reqs, wall, None, counters={}, spec_counters=sc)
+
+    def _served(self, e, spec: bool, send) -> BatchOutput:
+        """A server run (send: the requests, returning (outputs, wall)): /metrics read before and
+        after it, the acceptance record summed from the requests' meta_info, and the server's
+        verify-call counter kept as a cross-check of it."""
+        before = e.counters()
+        reqs, wall = send()
+        counters = counter_delta(before, e.counters())
+        sc = sum((r.spec_counters for r in reqs), SpecCounters(0, 0, 0, [0] * self.k)) if spec else None
         if sc is not None and "sglang:spec_verify_calls_total" in counters:
             counters["verify_calls_match_meta_info"] = counters["sglang:spec_verify_calls_total"] == sc.drafts
         return BatchOutput(reqs, wall, None, counters=counters, spec_counters=sc)
@@ -246,3 +252,18 @@ class SGLangBackend(Backend):
 class SGLangServerBackend(SGLangBackend):
     name = "sglang_server"
     server = True
+    load_kinds = ("concurrency", "rate")  # SGLang batches continuously; a load run is streamed (sglang_stream)
+    _served_load = False
+
+    def latency_contract(self) -> dict:
+        if self._served_load:  # streamed: the client's TTFT (queueing included) and a time per chunk
+            return {"ttft_source": "client", "emit_granularity": "chunk"}
+        return super().latency_contract()
+
+    def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
+        self._served_load = True
+        spec = speculative and bool(self.spec)
+        e = self._engine(spec, plan.max_rows)
+        return self._served(e, spec, lambda: serve_load("sglang_stream", e.url, prompts, sampling, max_new_tokens, plan,
+                                                        self.cfg.request_timeout_s, "SGLang's server", e.log_tail,
+                                                        k=self.k if spec else 0))

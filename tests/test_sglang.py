@@ -161,3 +161,150 @@ def test_real_sglang_self_draft_accepts_every_token(tmp_path, server):
     out = ng.generate(ids, Sampling(), 24, speculative=True)
     assert out.spec_counters.drafts > 0 and not math.isnan(out.wall_s)
     Pool.stop_all()
+
+
+# --- load runs: /generate streamed, against a stand-in server ------------------------------------
+# SGLang cannot run here, so these tests talk to a small HTTP server of the test's own that streams
+# what SGLang's http_server.generate_request and tokenizer_manager._handle_batch_output send for
+# stream=True: `data: {"output_ids", "meta_info"}` per output chunk (output_ids the whole output so
+# far by default, only the new ones under --incremental-streaming-output; meta_info with
+# completion_tokens, the count so far), `data: [DONE]`, and on a finished request the
+# speculative fields of sglang_shaped_meta.
+
+class MockSGLangStream:
+    """Greedy 'generation' that depends only on the prompt: token i = (sum(prompt) + i) % 1000,
+    emitted in chunks of CHUNKS tokens as verify cycles would; one accepted draft fewer than each
+    chunk's size, so the acceptance record is known."""
+    CHUNKS = (1, 3, 2, 4)
+
+    def __init__(self, incremental: bool = False, fail: str | None = None):
+        import http.server
+        import json as _json
+        import threading
+
+        mock = self
+        self.incremental, self.fail, self.verify_calls, self.in_flight, self.most_in_flight = incremental, fail, 0, 0, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):  # /metrics: the verify-call counter, Prometheus text
+                page = f"# TYPE sglang:spec_verify_calls_total counter\nsglang:spec_verify_calls_total {mock.verify_calls}\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                self.wfile.write(page.encode())
+
+            def do_POST(self):
+                import time as _time
+
+                body = _json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert body["stream"] is True and "input_ids" in body
+                n = body["sampling_params"]["max_new_tokens"]
+                toks = [(sum(body["input_ids"]) + i) % 1000 for i in range(n)]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                mock.in_flight += 1
+                mock.most_in_flight = max(mock.most_in_flight, mock.in_flight)
+                sent, accepted, j = 0, [], 0
+                while sent < n:
+                    size = min(mock.CHUNKS[j % len(mock.CHUNKS)], n - sent)
+                    if j:  # every chunk after the prefill's first token is one verify
+                        accepted.append(size - 1)
+                    j += 1
+                    new = toks[sent:sent + size]
+                    sent += size
+                    meta = {"id": "r", "finish_reason": None, "completion_tokens": sent, "prompt_tokens": len(body["input_ids"])}
+                    if sent == n:
+                        meta = sglang_shaped_meta(accepted)
+                        meta["completion_tokens"] = sent
+                        if mock.fail == "abort":
+                            meta["finish_reason"] = {"type": "abort", "message": "context length exceeded"}
+                    chunk = {"output_ids": new if mock.incremental else toks[:sent], "meta_info": meta}
+                    if mock.fail == "error" and sent == n:
+                        chunk = {"error": {"message": "the engine fell over"}}
+                    self.wfile.write(b"data: " + _json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                    _time.sleep(0.01)
+                self.wfile.write(b"data: [DONE]\n\n")
+                mock.verify_calls += len(accepted)
+                mock.in_flight -= 1
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def counters(self) -> dict:
+        import httpx
+
+        return metrics_counters(httpx.get(self.url + "/metrics").text)
+
+    def log_tail(self) -> str:
+        return "(the stand-in server keeps no log)"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_streamed_generate_under_load_against_a_mock_sglang_server(incremental):
+    """Both of SGLang's streaming forms give the same output, a time per chunk, the client's TTFT
+    and the finished chunk's acceptance record; a closed loop of 2 holds 2 in flight."""
+    from backends.serving import serve_load
+    from bench.backend import LoadPlan, Sampling
+
+    srv = MockSGLangStream(incremental)
+    try:
+        prompts = [[1, 2, 3], [7, 8], [5], [9, 9, 9, 9]]
+        reqs, wall = serve_load("sglang_stream", srv.url, prompts, Sampling(), 10,
+                                LoadPlan("concurrency", max_rows=2, concurrency=2), 10.0, "SGLang's server", k=K)
+    finally:
+        srv.close()
+    assert srv.most_in_flight == 2
+    for p, r in zip(prompts, reqs):
+        assert r.output_token_ids == [(sum(p) + i) % 1000 for i in range(10)]
+        assert len(r.emit_times_s) == 4 and r.ttft_s == r.emit_times_s[0] < r.e2e_s == r.emit_times_s[-1] <= wall
+        # chunks of 1, 3, 2, 4: verifies accepted 2, 1, 3 drafts of K each
+        assert (r.spec_counters.drafts, r.spec_counters.draft_tokens, r.spec_counters.accepted_tokens) == (3, 3 * K, 6)
+        assert r.finished_by == "length"
+
+
+@pytest.mark.parametrize("fail, expected", [("error", "streamed an error: .*the engine fell over"),
+                                            ("abort", "aborted a request: context length exceeded")])
+def test_a_streamed_error_or_abort_from_a_mock_sglang_server_is_an_engine_error(fail, expected):
+    from backends.serving import serve_load
+    from bench.backend import BackendError, LoadPlan, Sampling
+
+    srv = MockSGLangStream(fail=fail)
+    try:
+        with pytest.raises(BackendError, match=expected):
+            serve_load("sglang_stream", srv.url, [[1, 2]], Sampling(), 6, LoadPlan("concurrency", max_rows=1, concurrency=1),
+                       10.0, "SGLang's server", k=K)
+    finally:
+        srv.close()
+
+
+def test_sglang_server_serves_a_load_streamed_with_a_client_latency_contract_against_a_mock_server():
+    """SGLangServerBackend.serve on the stand-in server (its process replaced by the mock: SGLang
+    cannot start here): the /metrics cross-check agrees with the requests' meta_info, and after a
+    load the contract says client TTFT, chunk granularity."""
+    from backends.sglang import SGLangServerBackend
+    from bench.backend import LoadPlan, Sampling
+
+    srv = MockSGLangStream()
+    b = object.__new__(SGLangServerBackend)  # no SGLang to start: the adapter's state set by hand
+    b.cfg, b.k, b.spec, b.method = SGLangConfig(), K, speculative_args({"name": "ngram"}, K), {"name": "ngram"}
+    b._engine = lambda speculative, rows: srv
+    try:
+        assert b.latency_contract() == {"ttft_source": "engine", "emit_granularity": "none"}
+        out = b.serve([[1, 2], [3]], Sampling(), 6, True, LoadPlan("rate", max_rows=2, arrivals_s=[0.0, 0.05]))
+    finally:
+        srv.close()
+    assert out.spec_counters.drafts == sum(r.spec_counters.drafts for r in out.requests) > 0
+    assert out.counters["verify_calls_match_meta_info"] is True
+    assert out.requests[1].submitted_s >= 0.04
+    assert b.latency_contract() == {"ttft_source": "client", "emit_granularity": "chunk"}
