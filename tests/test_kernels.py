@@ -9,6 +9,13 @@ import torch
 from backends.native import kernels
 
 
+@pytest.fixture(scope="module", autouse=True)
+def with_rowdot():
+    """specsweep's own product built for this CPU (once per machine, in torch's extensions folder),
+    so that every test here that goes over the candidates goes over it too."""
+    kernels.load_rowdot()
+
+
 @pytest.fixture(autouse=True)
 def fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path))
@@ -144,3 +151,47 @@ def test_onednn_is_a_candidate_wherever_torch_has_it():
     if platform.machine() not in ("x86_64", "AMD64") or not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build: the candidate is rightly absent")
     assert kernels.CANDIDATES.get("onednn") is kernels.linear_onednn
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("n, k", [(48, 32), (37, 40), (640, 1024)])
+def test_rowdot_builds_here_and_computes_the_same_product(m, n, k):
+    """rowdot.cpp is built on this machine (a C++ compiler and ninja are part of the install), and
+    gives F.linear's product for any row count (1-2 rows together, 3-8 one by one, more in blocks
+    of 8), shapes that are no multiple of its 16 lanes, and a strided x; F.linear's layout."""
+    assert kernels.load_rowdot() is None and kernels.CANDIDATES["rowdot"] is kernels.linear_rowdot
+    w, x = torch.randn(n, k), torch.randn(k, m).T  # x not contiguous
+    y = kernels.linear_rowdot(x, w)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert y.is_contiguous() and y.shape == (m, n)
+
+
+def test_rowdot_refuses_what_it_does_not_compute_and_the_tuner_leaves_it_out():
+    w16 = torch.randn(64, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernels.linear_rowdot(torch.randn(2, 32, dtype=torch.bfloat16), w16)
+    with pytest.raises(RuntimeError, match="contiguous weight"):
+        kernels.linear_rowdot(torch.randn(2, 32), torch.randn(32, 64).T)
+    assert "rowdot" not in kernels.measure(w16, ladder=(1, 2), rounds=1)
+
+
+def test_rowdot_runs_on_torchs_own_openmp_runtime():
+    """Built with -fopenmp, its parallel loop binds to the OpenMP runtime torch loaded (one libgomp
+    in the process), so torch.set_num_threads sets its threads too; a second runtime would run
+    threads of its own beside torch's."""
+    kernels.linear_rowdot(torch.randn(1, 32), torch.randn(64, 32))
+    runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line.split()[-1]}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_a_rowdot_that_cannot_be_built_leaves_the_others_and_says_why(tmp_path, monkeypatch):
+    broken = tmp_path / "rowdot.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "ROWDOT_SOURCE", broken)
+    monkeypatch.setattr(kernels, "ROWDOT", {})
+    monkeypatch.setattr(kernels, "CANDIDATES", {k: v for k, v in kernels.CANDIDATES.items() if k != "rowdot"})
+    said = []
+    why = kernels.load_rowdot(said.append)
+    assert why and "rowdot" not in kernels.CANDIDATES and any("not available here" in s for s in said)
+    summary = kernels.tune([torch.randn(16, 8)])
+    assert summary["rowdot"] == f"unavailable: {why}" and "16x8 float32" in summary

@@ -10,6 +10,11 @@ interleaved, medians over rounds, and caches the plan with the CPU, its flags, t
 the thread count (SPECSWEEP_CACHE/kernels). Each timed call finds its weight out of the cache, as
 in a forward pass. A candidate must beat F.linear by KEEP_MARGIN to replace it: on a noisy
 machine a tie stays with the library's default.
+
+The candidates: F.linear, the transposed product, oneDNN's inner product where torch has it, and
+specsweep's own row-streaming product (rowdot.cpp, built for the CPU at first use where a
+compiler is): at one or two rows the libraries read a small weight from memory at a third to a
+half of the machine's streaming bandwidth, and rowdot near it.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import hashlib
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +30,9 @@ from torch import Tensor
 
 from ..cpu_probe import cache_root, cpu_identity, write_cached
 
-TUNE_VERSION = "4"  # 3: the transposed candidate returns a contiguous result; 4: oneDNN's linear a candidate
-ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # a row count uses the plan of the next rung up
+TUNE_VERSION = "5"  # 3: the transposed candidate returns a contiguous result; 4: oneDNN's linear a candidate;
+# 5: specsweep's rowdot a candidate
+ROW_LADDER = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # a row count uses the plan of the next rung up; 5: a verify of k = 4
 KEEP_MARGIN = 0.05
 ROUNDS = 7
 # In a forward pass every weight comes from memory: the layers together are far larger than any
@@ -77,6 +84,60 @@ def _onednn_available() -> bool:
 CANDIDATES = {"linear": linear_plain, "transposed": linear_transposed}
 if _onednn_available():
     CANDIDATES["onednn"] = linear_onednn
+
+# specsweep's own row-streaming product (rowdot.cpp), compiled for this CPU at first use: the
+# module once loaded, or why it could not be (no compiler, no ninja): then it is no candidate.
+ROWDOT: dict = {}
+ROWDOT_SOURCE = Path(__file__).with_name("rowdot.cpp")
+# -fopenmp: at::parallel_for's OpenMP pragmas (without it they compile to one thread); the module
+# then binds to the OpenMP runtime torch has loaded (libgomp.so.1, torch's own copy), so
+# torch.set_num_threads sets its threads too
+ROWDOT_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def load_rowdot(log=None) -> str | None:
+    """Make the rowdot candidate available: build rowdot.cpp with torch's extension builder, check
+    it against F.linear and add it to CANDIDATES. The build (ROWDOT_CFLAGS, -march=native among
+    them) goes under a name hashed from the source, the flags, the CPU and torch's version, so it
+    is reused only on the machine kind it was made for, in torch's extensions folder (once per
+    machine, whatever SPECSWEEP_CACHE is). Returns None when it is available, else why not (the
+    build's first error line)."""
+    if "module" in ROWDOT or "error" in ROWDOT:
+        return ROWDOT.get("error")
+    source = ROWDOT_SOURCE.read_text()
+    ident = json.dumps({"source": source, "flags": ROWDOT_CFLAGS, **cpu_identity(), "torch": torch.__version__},
+                       sort_keys=True)
+    name = "specsweep_rowdot_" + hashlib.sha256(ident.encode()).hexdigest()[:12]
+    try:
+        from torch.utils import cpp_extension
+
+        build = Path(cpp_extension._get_build_directory(name, verbose=False))
+        if log and not any(build.glob("*.so")):
+            log("kernels: compiling specsweep's row-streaming product for this CPU (once per machine; about 40 s "
+                "on 2 cores)")
+        module = cpp_extension.load(name, [str(ROWDOT_SOURCE)], extra_cflags=ROWDOT_CFLAGS, extra_ldflags=["-fopenmp"],
+                                    verbose=False)
+        x, w = torch.randn(3, 40), torch.randn(24, 40)
+        if not torch.allclose(module.rowdot(x, w), F.linear(x, w), atol=1e-4):
+            raise RuntimeError("its product differs from F.linear's")
+    except Exception as e:  # no compiler, no ninja, a build error: the other candidates remain
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        first_error = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
+                           lines[0])  # the compiler's own message, not ninja's summary
+        ROWDOT["error"] = f"{type(e).__name__}: {first_error[:300]}"
+        if log:
+            log(f"kernels: specsweep's row-streaming product is not available here ({ROWDOT['error']}); the "
+                "library's products are measured without it")
+        return ROWDOT["error"]
+    ROWDOT["module"], ROWDOT["name"] = module, name
+    CANDIDATES["rowdot"] = linear_rowdot
+    return None
+
+
+def linear_rowdot(x2: Tensor, w: Tensor) -> Tensor:
+    """rowdot.cpp: each weight row streamed once against every row of x (float32 only: another
+    dtype raises, and the tuner leaves the candidate out for that weight)."""
+    return ROWDOT["module"].rowdot(x2, w)
 
 # (out_features, in_features, dtype) -> tuple of (max rows, kernel) rungs; empty until tuned
 PLANS: dict[tuple, tuple[tuple[int, str], ...]] = {}
@@ -134,13 +195,20 @@ def plan_from(timings: dict, ladder=ROW_LADDER) -> tuple[tuple[int, str], ...]:
 
 def tune_key(w: Tensor) -> dict:
     return {"tune_version": TUNE_VERSION, **cpu_identity(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "shape": list(w.shape), "dtype": str(w.dtype)}
+            "threads": torch.get_num_threads(), "shape": list(w.shape), "dtype": str(w.dtype),
+            "candidates": sorted(CANDIDATES), "rowdot": ROWDOT.get("name")}  # measured again for a new candidate or build
 
 
 def tune(weights, log=None) -> dict:
     """Choose the product for every distinct CPU weight shape in `weights`; returns a summary for
-    describe(): per shape, the plan and whether it was measured now or read from the cache."""
+    describe(): per shape, the plan and whether it was measured now or read from the cache (and,
+    where specsweep's own product could not be built here, why)."""
     summary = {}
+    weights = list(weights)
+    if any(w.device.type == "cpu" and w.dim() == 2 for w in weights):
+        why = load_rowdot(log)
+        if why:
+            summary["rowdot"] = f"unavailable: {why}"
     for w in weights:
         if w.device.type != "cpu" or w.dim() != 2:
             continue
