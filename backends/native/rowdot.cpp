@@ -43,8 +43,8 @@ void rows_together(const float* w, const float* x, float* y, int64_t k_dim, int6
   }
 }
 
-// Three rows of x and more: one dot product after another over the weight row, which stays in L1
-// between them (R x V accumulators at once spilled out of registers: measured slower).
+// Three rows of x: one dot product after another over the weight row, which stays in L1 between
+// them (R x V accumulators at once, as above, measured slower here).
 template <int R>
 void rows_one_by_one(const float* w, const float* x, float* y, int64_t k_dim, int64_t n_dim, int64_t begin,
                      int64_t end) {
@@ -55,6 +55,36 @@ void rows_one_by_one(const float* w, const float* x, float* y, int64_t k_dim, in
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t k = 0; k < k_dim; ++k) s += wr[k] * xr[k];
+      y[r * n_dim + n] = s;
+    }
+  }
+}
+
+// Four rows of x and more: the same with one explicit 16-float vector per row (GCC's vector
+// extension: an AVX-512 register, or two AVX2 ones), R independent chains of multiply-adds where
+// one dot product after another waits on a single accumulator (measured 10-25% faster at 5 and 8
+// rows on a 2-core AVX-512 AMD EPYC, slower at 3).
+typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+inline vec16 load16(const float* p) { return *reinterpret_cast<const vec16_unaligned*>(p); }
+
+template <int R>
+void rows_in_vectors(const float* w, const float* x, float* y, int64_t k_dim, int64_t n_dim, int64_t begin,
+                     int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const float* wr = w + n * k_dim;
+    vec16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vec16{};
+    int64_t k = 0;
+    for (; k + V <= k_dim; k += V) {
+      const vec16 wv = load16(wr + k);
+      for (int r = 0; r < R; ++r) acc[r] += wv * load16(x + r * k_dim + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int v = 0; v < V; ++v) s += acc[r][v];
+      for (int64_t t = k; t < k_dim; ++t) s += wr[t] * x[r * k_dim + t];
       y[r * n_dim + n] = s;
     }
   }
@@ -81,11 +111,11 @@ torch::Tensor rowdot(torch::Tensor x, torch::Tensor w) {
         case 1: rows_together<1>(wp, xm, ym, k_dim, n_dim, begin, end); break;
         case 2: rows_together<2>(wp, xm, ym, k_dim, n_dim, begin, end); break;
         case 3: rows_one_by_one<3>(wp, xm, ym, k_dim, n_dim, begin, end); break;
-        case 4: rows_one_by_one<4>(wp, xm, ym, k_dim, n_dim, begin, end); break;
-        case 5: rows_one_by_one<5>(wp, xm, ym, k_dim, n_dim, begin, end); break;
-        case 6: rows_one_by_one<6>(wp, xm, ym, k_dim, n_dim, begin, end); break;
-        case 7: rows_one_by_one<7>(wp, xm, ym, k_dim, n_dim, begin, end); break;
-        default: rows_one_by_one<8>(wp, xm, ym, k_dim, n_dim, begin, end); break;
+        case 4: rows_in_vectors<4>(wp, xm, ym, k_dim, n_dim, begin, end); break;
+        case 5: rows_in_vectors<5>(wp, xm, ym, k_dim, n_dim, begin, end); break;
+        case 6: rows_in_vectors<6>(wp, xm, ym, k_dim, n_dim, begin, end); break;
+        case 7: rows_in_vectors<7>(wp, xm, ym, k_dim, n_dim, begin, end); break;
+        default: rows_in_vectors<8>(wp, xm, ym, k_dim, n_dim, begin, end); break;
       }
     }
   });
