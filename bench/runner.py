@@ -675,6 +675,8 @@ def _weigh_divergences(backend: Backend, c: dict, base_req, spec_req, detail: li
             try:
                 asked[key] = backend.margins_across_shapes(prefix, int(base[i]), int(spec[i]), shapes)
             except Exception as e:  # the engine could not answer: the divergence stays a failure, with why
+                if JOB_TIMER["expired"]:  # the job's time limit went off in the probe: the job's timeout, not the probe's
+                    raise
                 asked[key] = f"{type(e).__name__}: {e}"
         got = asked[key]
         if isinstance(got, str) or got is None:
