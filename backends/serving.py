@@ -143,13 +143,16 @@ def sglang_output(d: dict, returned_s: float, k: int | None) -> RequestOutput:
                          accepted=counts.accepted_tokens if counts else None, spec_counters=counts)
 
 
-async def sglang_generate(client, q: Request) -> RequestOutput:
-    """SGLang's native /generate with input_ids (not streamed)."""
+def _sglang_body(q: Request) -> dict:
     s = q.sampling
     params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
               "top_k": s.top_k if s.top_k > 0 else -1, "sampling_seed": s.seed}
-    r = await client.post(q.url + "/generate", json={"input_ids": list(q.prompt), "sampling_params": params},
-                          timeout=q.timeout_s)
+    return {"input_ids": list(q.prompt), "sampling_params": params}
+
+
+async def sglang_generate(client, q: Request) -> RequestOutput:
+    """SGLang's native /generate with input_ids (not streamed)."""
+    r = await client.post(q.url + "/generate", json=_sglang_body(q), timeout=q.timeout_s)
     await _check(r, "/generate", "SGLang's server")
     return sglang_output(r.json(), time.perf_counter() - q.t0, q.k)
 
@@ -162,10 +165,7 @@ async def sglang_stream(client, q: Request) -> RequestOutput:
     Each chunk that brings tokens is stamped on arrival (the first: the client's TTFT); the
     finished chunk's meta_info holds the request's acceptance record. A chunk {"error": ...}, or a
     request SGLang aborted (finish_reason type abort), is a BackendError with its message."""
-    s = q.sampling
-    params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-              "top_k": s.top_k if s.top_k > 0 else -1, "sampling_seed": s.seed}
-    body = {"input_ids": list(q.prompt), "sampling_params": params, "stream": True}
+    body = {**_sglang_body(q), "stream": True}
     ids, times, meta = [], [], {}
     async with client.stream("POST", q.url + "/generate", json=body, timeout=q.timeout_s) as r:
         await _check(r, "/generate", "SGLang's server")
