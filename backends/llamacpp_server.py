@@ -45,7 +45,8 @@ from bench.methods import synthetic_rates
 from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, die_with_parent, free_port, stop
-from .serving import LLAMA_SERVER_COUNTERS, counter_delta, detokenize, read_counters, serve_load, spec_counters, tokenize
+from .serving import (LLAMA_SERVER_COUNTERS, post_json, counter_delta, detokenize, read_counters, serve_load,
+                      spec_counters, tokenize)
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model",
@@ -306,17 +307,13 @@ class LlamaServerBackend(Backend):
         """The baseline server scores `prefix` in slot 0: for shape n, the prefix less its last n
         tokens is processed first, afresh (it stays in the slot's cache), then the whole prefix with
         cache_prompt, so that the last n tokens are one forward; shape 0: the whole prefix afresh."""
-        import httpx
-
         s = self._server(False, 1)
 
         def next_logprobs(ids: list[int], cached: bool) -> dict[int, float]:
             body = {"prompt": ids, "n_predict": 1, "n_probs": 20, "temperature": 0, "cache_prompt": cached,
                     "id_slot": 0}
-            r = httpx.post(s.url + "/completion", json=body, timeout=self.request_timeout_s)
-            if r.status_code != 200:
-                raise BackendError(f"llama-server answered /completion with {r.status_code}: {r.text[:300]}")
-            probs = r.json().get("completion_probabilities") or [{}]
+            got = post_json(s.url, "/completion", body, "llama-server", self.request_timeout_s)
+            probs = got.get("completion_probabilities") or [{}]
             return {int(c["id"]): float(c["logprob"]) for c in probs[0].get("top_logprobs", [])}
 
         margins = []

@@ -255,7 +255,9 @@ def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tok
 
 # --- tokenizing on the server, in its dialect -----------------------------------------------------
 
-def _post_json(url: str, path: str, body: dict, engine: str, timeout_s: float = 60.0) -> dict:
+def post_json(url: str, path: str, body: dict, engine: str, timeout_s: float = 60.0) -> dict:
+    """One JSON POST to a server of the run; any failure (unreachable, timeout, not 200) is a
+    BackendError naming the engine, the URL and what came back."""
     import httpx
 
     try:
@@ -271,15 +273,15 @@ def tokenize(url: str, text: str, model: str | None, engine: str) -> list[int]:
     """The server's own /tokenize, special tokens added: llama-server's dialect (model None:
     content, add_special) or vLLM's (prompt, add_special_tokens, the served model's name)."""
     if model is None:
-        return _post_json(url, "/tokenize", {"content": text, "add_special": True}, engine)["tokens"]
-    return _post_json(url, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": True}, engine)["tokens"]
+        return post_json(url, "/tokenize", {"content": text, "add_special": True}, engine)["tokens"]
+    return post_json(url, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": True}, engine)["tokens"]
 
 
 def detokenize(url: str, ids, model: str | None, engine: str) -> str:
     """The server's own /detokenize, in the same two dialects as tokenize."""
     if model is None:
-        return _post_json(url, "/detokenize", {"tokens": list(ids)}, engine)["content"]
-    return _post_json(url, "/detokenize", {"model": model, "tokens": list(ids)}, engine)["prompt"]
+        return post_json(url, "/detokenize", {"tokens": list(ids)}, engine)["content"]
+    return post_json(url, "/detokenize", {"model": model, "tokens": list(ids)}, engine)["prompt"]
 
 
 # --- one Prometheus counter reader ---------------------------------------------------------------

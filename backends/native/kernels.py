@@ -111,10 +111,9 @@ def load_rowdot(log=None) -> str | None:
     try:
         from torch.utils import cpp_extension
 
-        build = Path(cpp_extension._get_build_directory(name, verbose=False))
-        if log and not any(build.glob("*.so")):
-            log("kernels: compiling specsweep's row-streaming product for this CPU (once per machine; about 40 s "
-                "on 2 cores)")
+        if log:
+            log("kernels: loading specsweep's row-streaming product (built for this CPU the first time: about "
+                "40 s on 2 cores)")
         module = cpp_extension.load(name, [str(ROWDOT_SOURCE)], extra_cflags=ROWDOT_CFLAGS, extra_ldflags=["-fopenmp"],
                                     verbose=False)
         x, w = torch.randn(3, 40), torch.randn(24, 40)
@@ -204,14 +203,12 @@ def tune(weights, log=None) -> dict:
     describe(): per shape, the plan and whether it was measured now or read from the cache (and,
     where specsweep's own product could not be built here, why)."""
     summary = {}
-    weights = list(weights)
-    if any(w.device.type == "cpu" and w.dim() == 2 for w in weights):
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
+    if weights:
         why = load_rowdot(log)
         if why:
             summary["rowdot"] = f"unavailable: {why}"
     for w in weights:
-        if w.device.type != "cpu" or w.dim() != 2:
-            continue
         shape_key = (w.shape[0], w.shape[1], w.dtype)
         label = f"{w.shape[0]}x{w.shape[1]} {str(w.dtype).replace('torch.', '')}"
         if label in summary:
