@@ -153,26 +153,32 @@ def test_onednn_is_a_candidate_wherever_torch_has_it():
     assert kernels.CANDIDATES.get("onednn") is kernels.linear_onednn
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
-@pytest.mark.parametrize("n, k", [(48, 32), (37, 40), (640, 1024)])
-def test_rowdot_builds_here_and_computes_the_same_product(m, n, k):
+@pytest.mark.parametrize("kernel", ["rowdot", "rowblock"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize("n, k", [(48, 32), (37, 40), (38, 24), (640, 1024)])
+def test_rowdot_builds_here_and_computes_the_same_product(kernel, m, n, k):
     """rowdot.cpp is built on this machine (a C++ compiler and ninja are part of the install), and
-    gives F.linear's product for any row count (1-2 rows together, 3-8 one by one, more in blocks
-    of 8), shapes that are no multiple of its 16 lanes, and a strided x; F.linear's layout."""
-    assert kernels.load_rowdot() is None and kernels.CANDIDATES["rowdot"] is kernels.linear_rowdot
+    both its products give F.linear's for any row count (every path: 1-8 rows, more in groups of
+    8), weight-row counts no block of rowblock divides (37, 38), inner sizes that are no multiple
+    of the vector lanes (40, 24), and a strided x; F.linear's layout."""
+    assert kernels.load_rowdot() is None and kernels.CANDIDATES[kernel] is kernels.OWN_PRODUCTS[kernel]
     w, x = torch.randn(n, k), torch.randn(k, m).T  # x not contiguous
-    y = kernels.linear_rowdot(x, w)
+    y = kernels.CANDIDATES[kernel](x, w)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
     assert y.is_contiguous() and y.shape == (m, n)
 
 
-def test_rowdot_refuses_what_it_does_not_compute_and_the_tuner_leaves_it_out():
+@pytest.mark.parametrize("kernel", ["rowdot", "rowblock"])
+def test_rowdot_refuses_what_it_does_not_compute_and_the_tuner_leaves_it_out(kernel):
+    assert kernels.load_rowdot() is None
     w16 = torch.randn(64, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="float32 only"):
-        kernels.linear_rowdot(torch.randn(2, 32, dtype=torch.bfloat16), w16)
+        kernels.CANDIDATES[kernel](torch.randn(2, 32, dtype=torch.bfloat16), w16)
     with pytest.raises(RuntimeError, match="contiguous weight"):
-        kernels.linear_rowdot(torch.randn(2, 32), torch.randn(32, 64).T)
-    assert "rowdot" not in kernels.measure(w16, ladder=(1, 2), rounds=1)
+        kernels.CANDIDATES[kernel](torch.randn(2, 32), torch.randn(32, 64).T)
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\]"):
+        kernels.CANDIDATES[kernel](torch.randn(2, 31), torch.randn(64, 32))
+    assert kernel not in kernels.measure(w16, ladder=(1, 2), rounds=1)
 
 
 def test_rowdot_runs_on_torchs_own_openmp_runtime():
@@ -199,9 +205,9 @@ def test_a_rowdot_that_cannot_be_built_leaves_the_others_and_says_why(tmp_path, 
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(kernels, "ROWDOT_SOURCE", broken)
     monkeypatch.setattr(kernels, "ROWDOT", {})
-    monkeypatch.setattr(kernels, "CANDIDATES", {k: v for k, v in kernels.CANDIDATES.items() if k != "rowdot"})
+    monkeypatch.setattr(kernels, "CANDIDATES", {k: v for k, v in kernels.CANDIDATES.items() if k not in kernels.OWN_PRODUCTS})
     said = []
     why = kernels.load_rowdot(said.append)
-    assert why and "rowdot" not in kernels.CANDIDATES and any("not available here" in s for s in said)
+    assert why and not set(kernels.OWN_PRODUCTS) & set(kernels.CANDIDATES) and any("not available here" in s for s in said)
     summary = kernels.tune([torch.randn(16, 8)])
     assert summary["rowdot"] == f"unavailable: {why}" and "16x8 float32" in summary

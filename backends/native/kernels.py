@@ -12,9 +12,10 @@ in a forward pass. A candidate must beat F.linear by KEEP_MARGIN to replace it: 
 machine a tie stays with the library's default.
 
 The candidates: F.linear, the transposed product, oneDNN's inner product where torch has it, and
-specsweep's own row-streaming product (rowdot.cpp, built for the CPU at first use where a
-compiler is): at one or two rows the libraries read a small weight from memory at a third to a
-half of the machine's streaming bandwidth, and rowdot near it.
+specsweep's own two products (rowdot.cpp, built for the CPU at first use where a compiler is): at
+one to a few rows the libraries read a small weight from memory at a third to a half of the
+machine's streaming bandwidth, and rowdot (row by row) or rowblock (rows in blocks, prefetched)
+near it.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from torch import Tensor
 
 from ..cpu_probe import cache_root, cpu_identity, write_cached
 
-TUNE_VERSION = "5"  # 3: the transposed candidate returns a contiguous result; 4: oneDNN's linear a candidate;
-# 5: specsweep's rowdot a candidate
+TUNE_VERSION = "6"  # 3: the transposed candidate returns a contiguous result; 4: oneDNN's linear a candidate;
+# 5: specsweep's rowdot a candidate; 6: and its rowblock
 ROW_LADDER = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # a row count uses the plan of the next rung up; 5: a verify of k = 4
 KEEP_MARGIN = 0.05
 ROUNDS = 7
@@ -116,9 +117,11 @@ def load_rowdot(log=None) -> str | None:
                 "40 s on 2 cores)")
         module = cpp_extension.load(name, [str(ROWDOT_SOURCE)], extra_cflags=ROWDOT_CFLAGS, extra_ldflags=["-fopenmp"],
                                     verbose=False)
-        x, w = torch.randn(3, 40), torch.randn(24, 40)
-        if not torch.allclose(module.rowdot(x, w), F.linear(x, w), atol=1e-4):
-            raise RuntimeError("its product differs from F.linear's")
+        for rows in (1, 3, 5, 8, 11):  # every path of both kernels, a weight-row count no block divides
+            x, w = torch.randn(rows, 40), torch.randn(27, 40)
+            for kernel in (module.rowdot, module.rowblock):
+                if not torch.allclose(kernel(x, w), F.linear(x, w), atol=1e-4):
+                    raise RuntimeError(f"its product differs from F.linear's at {rows} rows")
     except Exception as e:  # no compiler, no ninja, a build error: the other candidates remain
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         first_error = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
@@ -129,14 +132,24 @@ def load_rowdot(log=None) -> str | None:
                 "library's products are measured without it")
         return ROWDOT["error"]
     ROWDOT["module"], ROWDOT["name"] = module, name
-    CANDIDATES["rowdot"] = linear_rowdot
+    CANDIDATES.update(OWN_PRODUCTS)
     return None
 
 
 def linear_rowdot(x2: Tensor, w: Tensor) -> Tensor:
-    """rowdot.cpp: each weight row streamed once against every row of x (float32 only: another
-    dtype raises, and the tuner leaves the candidate out for that weight)."""
+    """rowdot.cpp's rowdot: each weight row streamed once against every row of x (float32 only:
+    another dtype raises, and the tuner leaves the candidate out for that weight)."""
     return ROWDOT["module"].rowdot(x2, w)
+
+
+def linear_rowblock(x2: Tensor, w: Tensor) -> Tensor:
+    """rowdot.cpp's rowblock: several weight rows against every row of x at once, the next rows
+    prefetched (faster than rowdot from 4-5 rows on a 2-core AVX-512 AMD EPYC, slower at 1-3;
+    float32 only, as rowdot)."""
+    return ROWDOT["module"].rowblock(x2, w)
+
+
+OWN_PRODUCTS = {"rowdot": linear_rowdot, "rowblock": linear_rowblock}  # candidates once rowdot.cpp is built
 
 # (out_features, in_features, dtype) -> tuple of (max rows, kernel) rungs; empty until tuned
 PLANS: dict[tuple, tuple[tuple[int, str], ...]] = {}
