@@ -15,7 +15,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the lane sums below (AVX-512, AVX); other CPUs take the plain path
+#endif
 
 namespace {
 
@@ -94,7 +96,6 @@ void rows_in_vectors(const float* w, const float* x, float* y, int64_t k_dim, in
   }
 }
 
-
 // rowblock: NB weight rows x R rows of x at once, NB x R accumulators in registers (each weight
 // vector loaded once for R products, each x vector once for NB), and the weight rows NB x
 // PREFETCH_BLOCKS ahead asked of memory while these are multiplied. Why: from 3-4 rows of x on, the
@@ -117,18 +118,19 @@ inline float lanes_sum(lanes_t a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-#else
+#else  // SSE, or a CPU that is not x86: GCC's vector extension alone
 constexpr int LANES = 4, VECTOR_REGISTERS = 16;
 typedef float lanes_t __attribute__((vector_size(16)));
 typedef float lanes_unaligned_t __attribute__((vector_size(16), aligned(4)));
 inline float lanes_sum(lanes_t a) { return a[0] + a[1] + a[2] + a[3]; }
 #endif
-constexpr int PREFETCH_BLOCKS = 2;  // 1, 2 and 4 measured alike at 5-8 rows; none was 25-30% slower
+constexpr int PREFETCH_BLOCKS = 2;  // 1, 2 and 4 blocks ahead measured alike at 5-8 rows; no prefetch 25-30% slower
 
 inline lanes_t load_lanes(const float* p) { return *reinterpret_cast<const lanes_unaligned_t*>(p); }
 
 // as many weight rows per block (up to 4) as leave the accumulators, the weight vectors and one x
-// vector in registers: 4 at 1-6 rows of x with AVX-512's 32 registers, 1-4 with AVX2's 16
+// vector in registers: with AVX-512's 32 registers 4 at 1-6 rows of x and 3 at 7-8; with AVX2's 16,
+// 4 at 1-2 rows down to 1 at 7-8
 constexpr int weight_rows_per_block(int r) { return std::max(1, std::min(4, (VECTOR_REGISTERS - 1) / (r + 1))); }
 
 template <int NB, int R>
@@ -166,7 +168,6 @@ void rows_in_blocks(const float* w, const float* x, float* y, int64_t k_dim, int
   for (; n + NB <= end; n += NB) block<NB, R>(w, x, y, k_dim, n_dim, n);
   for (; n < end; ++n) block<1, R>(w, x, y, k_dim, n_dim, n);
 }
-
 
 // x [M, K] and w [N, K], float32, checked; returns an empty y [M, N]
 torch::Tensor checked_output(torch::Tensor& x, const torch::Tensor& w, const char* name) {
