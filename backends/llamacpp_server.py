@@ -45,7 +45,7 @@ from bench.methods import synthetic_rates
 from .cpu_probe import Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_mode
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, die_with_parent, free_port, stop
-from .serving import (LLAMA_SERVER_COUNTERS, post_json, counter_delta, detokenize, read_counters, serve_load,
+from .serving import (LLAMA_SERVER_COUNTERS, counter_delta, detokenize, post_json, read_counters, serve_load,
                       spec_counters, tokenize)
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests

@@ -86,7 +86,7 @@ CANDIDATES = {"linear": linear_plain, "transposed": linear_transposed}
 if _onednn_available():
     CANDIDATES["onednn"] = linear_onednn
 
-# specsweep's own row-streaming product (rowdot.cpp), compiled for this CPU at first use: the
+# specsweep's own products (rowdot.cpp: rowdot and rowblock), compiled for this CPU at first use: the
 # module once loaded, or why it could not be (no compiler, no ninja): then it is no candidate.
 ROWDOT: dict = {}
 ROWDOT_SOURCE = Path(__file__).with_name("rowdot.cpp")
@@ -113,7 +113,7 @@ def load_rowdot(log=None) -> str | None:
         from torch.utils import cpp_extension
 
         if log:
-            log("kernels: loading specsweep's row-streaming product (built for this CPU the first time: about "
+            log("kernels: loading specsweep's own products, rowdot.cpp (built for this CPU the first time: about "
                 "40 s on 2 cores)")
         module = cpp_extension.load(name, [str(ROWDOT_SOURCE)], extra_cflags=ROWDOT_CFLAGS, extra_ldflags=["-fopenmp"],
                                     verbose=False)
@@ -128,8 +128,8 @@ def load_rowdot(log=None) -> str | None:
                            lines[0])  # the compiler's own message, not ninja's summary
         ROWDOT["error"] = f"{type(e).__name__}: {first_error[:300]}"
         if log:
-            log(f"kernels: specsweep's row-streaming product is not available here ({ROWDOT['error']}); the "
-                "library's products are measured without it")
+            log(f"kernels: specsweep's own products (rowdot.cpp) are not available here ({ROWDOT['error']}); the "
+                "library's products are measured without them")
         return ROWDOT["error"]
     ROWDOT["module"], ROWDOT["name"] = module, name
     CANDIDATES.update(OWN_PRODUCTS)
