@@ -205,8 +205,74 @@ def test_the_tune_split_is_reproducible_and_disjoint(tmp_path):
     assert sorted(ids(fit) + ids(score)) == sorted(ids(sample_requests(traces, ("ngram", "eagle"), 16)))
     df = run([_toy_file(tmp_path)], COST, [1], ["optimistic"], ["match:ngram+eagle:1:4:3", "ema:eagle:3",
                                                                  "fixed:eagle:2", "dp:ngram+eagle:6"], 16, "set", tune=True)
-    assert set(df.half) == {"score"} and set(df.requests) == {len(score)}
+    assert set(df.half) == {"first", "second", "both"}
+    assert set(df[df.half == "first"].requests) == {len(fit)} and set(df[df.half == "second"].requests) == {len(score)}
+    assert set(df[df.half == "both"].requests) == {len(fit) + len(score)}
     assert set(df.tuned_from.dropna()) >= {"match:ngram+eagle:1:4:3", "ema:eagle:3"}
+    for _, g in df.groupby("half"):  # each half is its own comparison: its own best fixed and dp
+        assert g[g.kind == "dp"].gap_closed.tolist() == [1.0] and g[g.kind == "fixed"].gap_closed.tolist() == [0.0]
+
+
+TUNED = ["match:ngram+eagle:1:4:3", "tree:ngram+eagle:3:4:3", "ema:eagle:3", "fixed:eagle:2", "fixed:ngram:3",
+         "goodput:ngram+eagle:6", "dp:ngram+eagle:6"]
+
+
+@pytest.mark.parametrize("mode,B", [("set", 1), ("repeat", 1), ("repeat", 4)])
+def test_the_cross_fitted_row_of_every_request_adds_up_the_two_halves(tmp_path, mode, B):
+    """half = both is every sampled request: for a policy without parameters it is the policy over
+    all of them (where batches do not mix the halves), for a tuned one the two halves' spec scored
+    on each, summed: times, not speedups."""
+    f = _toy_file(tmp_path, n=24, confidence=True)  # with match_len, which tree needs
+    df = run([f], COST, [B], ["faithful"], TUNED, 24, mode, tune=True)
+    whole = run([f], COST, [B], ["faithful"], TUNED, 24, mode)
+    traces = load_traces(f)
+    for pol in ("fixed:eagle:2", "fixed:ngram:3", "goodput:ngram+eagle:6", "dp:ngram+eagle:6"):
+        got = df[(df.policy == pol) & (df.half == "both")]
+        assert got.speedup.iloc[0] == pytest.approx(whole[whole.policy == pol].speedup.iloc[0], rel=1e-12)
+        assert got.tokens_per_forward.iloc[0] == pytest.approx(whole[whole.policy == pol].tokens_per_forward.iloc[0])
+    for tmpl in ("match:ngram+eagle:1:4:3", "tree:ngram+eagle:3:4:3", "ema:eagle:3"):
+        rows = df[df.tuned_from == tmpl].set_index("half")
+        first, second = tune_split(traces, Policy.parse(tmpl).methods, 24)
+        times = []
+        for half, reqs in (("first", first), ("second", second)):
+            pol = Policy.parse(rows.policy[half])
+            ctx = Context(COST, B, "faithful")
+            base = spec = 0.0
+            for t in reqs:  # at batch 1 or in repeat batches each request's times stand alone
+                bt, st, G = request_times(t, pol, trajectory(t, pol, ctx), COST, np.array([B]), "faithful")
+                base, spec = (base + B * G / bt[0], spec + B * G / st[0]) if mode == "repeat" else (base + bt[0], spec + st[0])
+            times.append((base, spec))
+            assert rows.speedup[half] == pytest.approx(spec / base if mode == "repeat" else base / spec, rel=1e-9)
+        (b1, s1), (b2, s2) = times
+        both = (s1 + s2) / (b1 + b2) if mode == "repeat" else (b1 + b2) / (s1 + s2)
+        assert rows.speedup["both"] == pytest.approx(both, rel=1e-9)
+        names = {rows.policy["first"], rows.policy["second"]}
+        assert rows.policy["both"] == (names.pop() if len(names) == 1 else f"{rows.policy['first']} / {rows.policy['second']}")
+
+
+def test_a_half_is_scored_by_parameters_fitted_without_it(tmp_path):
+    """Rewrite the acceptance of every request of the first half: the specs that score the first
+    half (fitted on the second) stay as they were, while the first half's own fit, which scores
+    the second, sees the change."""
+    f = _toy_file(tmp_path, n=24, confidence=True)
+    traces = load_traces(f)
+    first, _ = tune_split(traces, ("ngram", "eagle"), 24)
+    rows = [json.loads(line) for line in f.read_text().splitlines()]
+    rng = np.random.default_rng(17)
+    for r in rows:
+        if r["id"] in {t.id for t in first}:  # the first half gets an eagle that is all but always right
+            G = len(r["acc_eagle"]["acc_len"])
+            r["acc_eagle"]["acc_len"] = np.minimum(rng.integers(3, 6, G), G - np.arange(G)).tolist()
+    g = tmp_path / "changed" / f.name
+    g.parent.mkdir()
+    g.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pols = ["match:ngram+eagle:1:4:3", "tree:ngram+eagle:3:4:3", "ema:eagle:3"]
+    a, b = (run([x], COST, [1, 4], ["faithful"], pols + ["dp:ngram+eagle:6"], 24, "set", tune=True) for x in (f, g))
+    key = ["tuned_from", "batch_size", "half"]
+    a, b = (d[d.tuned_from.notna()].set_index(key).sort_index() for d in (a, b))
+    assert a.xs("first", level="half").policy.tolist() == b.xs("first", level="half").policy.tolist()
+    assert a.xs("second", level="half").policy.tolist() != b.xs("second", level="half").policy.tolist()
+    assert (a.xs("first", level="half").speedup != b.xs("first", level="half").speedup).all()
 
 
 def test_a_policy_needing_draft_lengths_says_so_on_a_trace_without_them(tmp_path):
@@ -296,7 +362,8 @@ def test_conf_tunes_on_one_half_and_is_scored_on_the_other(tmp_path):
     df = run([_toy_file(tmp_path, confidence=True)], COST, [1], ["optimistic"],
              ["conf:ngram+eagle:1:8:4:0.3", "fixed:eagle:2", "dp:ngram+eagle:6"], 16, "set", tune=True)
     row = df[df.tuned_from == "conf:ngram+eagle:1:8:4:0.3"]
-    assert len(row) == 1 and row.policy.iloc[0].startswith("conf:ngram+eagle:") and set(df.half) == {"score"}
+    assert len(row) == 3 and set(row.half) == {"first", "second", "both"}
+    assert row.policy.str.startswith("conf:ngram+eagle:").all()
 
 
 def test_the_lookup_recomputed_from_token_ids(tmp_path):

@@ -29,8 +29,9 @@ Policies (policies.py, adaptive.py, dp.py; one class each, POLICIES maps a spec'
 - dp:M1[+M2...]:KMAX: the clairvoyant per-cycle bound (dynamic programming over positions; exact at
   batch 1, approximate above: column approximate).
 Accountings optimistic and faithful; columns realizable and gap_closed = (policy - best fixed) /
-(dp - best fixed) per dataset, batch size and accounting; `--tune` fits match's M, KN and ema's
-ALPHA, KMAX on one half of the requests (tune_split, seed TUNE_SEED) and scores the other (half = score);
+(dp - best fixed) per dataset, batch size and accounting; `--tune` cross-fits match's M, KN, ema's
+ALPHA, KMAX (and tree's, conf's) on each half of the requests (tune_split, seed TUNE_SEED) and scores
+the other (half = first, second; both: every request, each under the fit of the other half);
 a neural draft is charged per cycle or per head step (DraftCost.per, --neural-draft-charge).
 
 The package:
@@ -44,7 +45,7 @@ The package:
 - simulate.py   trajectories (every request at once), trajectory (one), request_times, simulate (repeat
                 batches, as published),
                 simulate_randmatch, simulate_set (batches of different requests), run (the table),
-                tune_split, add_gap_closed;
+                tune_split, combine (results of disjoint requests together), add_gap_closed;
 - reporting.py  summary_markdown, plot;
 - cli.py        main: specsweep-oracle, also python -m bench.oracle.
 """

@@ -42,8 +42,9 @@ def main(argv=None) -> int:
                          "sequential forwards); both: report each (default: as the cost model says, cycle unless its "
                          "YAML sets per: step)")
     ap.add_argument("--tune", action="store_true",
-                    help="fit the parameters of match, ema and conf on one half of the sampled requests (a fixed seeded "
-                         "split) and score every policy on the other half (column half = score)")
+                    help="cross-fit the parameters of match, tree, ema and conf: the sampled requests in two halves (a "
+                         "fixed seeded split), each policy fitted on one half and scored on the other, both ways; rows "
+                         "per half scored (column half = first, second) and for every request (half = both)")
     ap.add_argument("--lookup-from-tokens", nargs="+", default=[],
                     metavar="[NAME=]METHOD[:MIN:MAX:K[:earliest|latest]]",
                     help="recompute METHOD's lookup (its draft_len and match_len) from the traces' token ids where they "

@@ -14,9 +14,13 @@ def summary_markdown(df, cost: CostModel) -> str:
            "total speculative throughput / total baseline throughput")
     lines = [f"# Oracle analysis ({cost.name})", "", f"Cost model: {cost.source or cost.name}.", "",
              f"Batches: {how}. Single-method policies are charged the same in both accountings.", ""]
-    if "half" in df and (df.half == "score").any():
-        lines += ["Tuned (--tune): parameters fitted on one half of the sampled requests, every row scored on the "
-                  "other half (half = score).", ""]
+    halves = df
+    if "half" in df and (df.half == "both").any():
+        lines += ["Tuned (--tune), cross-fitted: the sampled requests split in two halves, a policy's parameters "
+                  "fitted on each half and scored on the other, so every request is scored by parameters fitted "
+                  "without it. The tables hold every sampled request (half = both; a policy shows the spec fitted "
+                  "for each half, 'A / B', where the two fits differ); the dp table also each half alone.", ""]
+        df = df[df.half == "both"]
     charges = df.neural_draft_charge.unique() if "neural_draft_charge" in df else [None]
     for (ds, charge), g in df.groupby(["dataset", "neural_draft_charge"] if len(charges) > 1 else
                                       ["dataset", df.dataset.map(lambda _: None)], dropna=False):
@@ -53,33 +57,49 @@ def summary_markdown(df, cost: CostModel) -> str:
                     lines.append(f"The realizable rule {best_real.policy} reaches {r:.2f}x: it closes "
                                  f"{100 * (r - best_fixed.speedup) / gap:.0f}% of the gap between {best_fixed.policy} and the "
                                  "optimistic combined bound.")
-        lines += _against_dp(g)
+        same = (halves.dataset == ds) & ((halves.neural_draft_charge == charge) if len(charges) > 1 else True)
+        lines += _against_dp(halves[same])  # under --tune each half's rows too
         lines.append("")
     return "\n".join(lines)
 
 
 def _against_dp(g) -> list[str]:
     """The realizable policies against the dp bound: speedup and gap_closed per batch size and
-    accounting (gap_closed = (policy - best fixed) / (dp - best fixed))."""
+    accounting (gap_closed = (policy - best fixed) / (dp - best fixed)); under --tune per half
+    scored too (both first, then each half alone)."""
     if "gap_closed" not in g or not (g.kind == "dp").any():
         return []
     # a tuned policy is shown under the spec it was tuned from, its fitted spec in its cell
     label = g.tuned_from.fillna(g.policy) if "tuned_from" in g else g.policy
-    g = g.assign(label=label)
-    pols = sorted(set(g.label[g.realizable & ~g.kind.isin(["fixed", "dp"])]))
+    half = g.half if "half" in g else g.policy.map(lambda _: "all")
+    recs = g.assign(label=label, half=half)[["batch_size", "accounting", "half", "label", "kind", "policy",
+                                             "speedup", "gap_closed", "realizable"]].to_dict("records")
+    pols = sorted({r["label"] for r in recs if r["realizable"] and r["kind"] not in ("fixed", "dp")})
+    order = {"all": 0, "both": 0, "first": 1, "second": 2}
+    groups: dict[tuple, list[dict]] = {}
+    for r in recs:  # rows in the table's order within each group
+        groups.setdefault((r["batch_size"], r["accounting"], r["half"]), []).append(r)
+    scored = len({k[2] for k in groups}) > 1  # --tune: every request (both), then each half alone
     lines = ["", "Realizable policies against the dp bound (speedup, gap_closed = (policy - best fixed) / "
              "(dp - best fixed); dp above batch 1 is approximate, marked ~):", "",
-             "| batch | accounting | best fixed | dp | " + " | ".join(pols) + " |", "|---|---|---|---|" + "---|" * len(pols)]
-    for (b, acc), h in g.groupby(["batch_size", "accounting"]):
-        fixed = h[h.kind == "fixed"]
-        best = f"{fixed.policy.loc[fixed.speedup.idxmax()]} {fixed.speedup.max():.2f}" if len(fixed) else "-"
-        dp = h[h.kind == "dp"].speedup.max()
+             "| batch | accounting | " + ("scored | " if scored else "") + "best fixed | dp | " + " | ".join(pols) + " |",
+             "|---|---|" + ("---|" if scored else "") + "---|---|" + "---|" * len(pols)]
+    for (b, acc, h) in sorted(groups, key=lambda k: (k[0], k[1], order.get(k[2], 3))):
+        rows = groups[(b, acc, h)]
+        fixed = [r for r in rows if r["kind"] == "fixed"]
+        top = max(fixed, key=lambda r: r["speedup"]) if fixed else None  # the first of equals, as idxmax
+        best = f"{top['policy']} {top['speedup']:.2f}" if top else "-"
+        dp = max((r["speedup"] for r in rows if r["kind"] == "dp"), default=float("nan"))
+        first = {}
+        for r in rows:
+            first.setdefault(r["label"], r)
         cells = []
         for p in pols:
-            r = h[h.label == p]
-            fitted = f" {r.policy.iloc[0]}" if len(r) and r.policy.iloc[0] != p else ""
-            cells.append("n/a" if not len(r) else f"{r.speedup.iloc[0]:.2f} ({r.gap_closed.iloc[0]:+.2f}){fitted}")
-        lines.append(f"| {b} | {acc} | {best} | {dp:.2f}{'~' if b > 1 else ''} | " + " | ".join(cells) + " |")
+            r = first.get(p)
+            fitted = f" {r['policy']}" if r and r["policy"] != p else ""
+            cells.append("n/a" if r is None else f"{r['speedup']:.2f} ({r['gap_closed']:+.2f}){fitted}")
+        lines.append(f"| {b} | {acc} | " + (f"{h} | " if scored else "") + f"{best} | {dp:.2f}{'~' if b > 1 else ''} | "
+                     + " | ".join(cells) + " |")
     return lines
 
 

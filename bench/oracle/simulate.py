@@ -78,12 +78,34 @@ def _tokens_per_forward(trajs) -> float:
     return metrics.tokens_per_forward(np.concatenate([t.emitted for t in trajs]) if trajs else np.zeros(0))
 
 
-def _result(batch_sizes, speedups, trajs, n_requests: int, per_batch_trajs=None) -> dict:
-    out = {"batch_sizes": list(batch_sizes), "speedup": list(speedups),
+def _result(batch_sizes, speedups, parts, trajs, n_requests: int, per_batch_trajs=None) -> dict:
+    """A simulator's answer. parts: per batch size, (numerator, denominator) of its speedup, each a
+    sum over the requests, so that the results of disjoint sets of requests add up (combine);
+    forward_parts likewise (tokens emitted, target forwards) for tokens_per_forward."""
+    def forwards(tr):
+        emitted = np.concatenate([t.emitted for t in tr]) if tr else np.zeros(0)
+        return (float(emitted.sum()), float(len(emitted)))
+
+    out = {"batch_sizes": list(batch_sizes), "speedup": list(speedups), "parts": [tuple(map(float, p)) for p in parts],
            "tokens_per_forward": _tokens_per_forward(trajs), "requests": n_requests}
     if per_batch_trajs is not None:  # a batch-aware policy: a trajectory per batch size
         out["tokens_per_forward_by_batch"] = [_tokens_per_forward(tr) for tr in per_batch_trajs]
+        out["forward_parts"] = [forwards(tr) for tr in per_batch_trajs]
+    else:
+        out["forward_parts"] = [forwards(trajs)] * len(out["batch_sizes"])
     return out
+
+
+def combine(results: list[dict]) -> dict:
+    """One result from the results of disjoint sets of requests, each for the same batch sizes:
+    the speedup and tokens per forward of all of them together (sums of their parts)."""
+    n = len(results[0]["batch_sizes"])
+    parts = [tuple(sum(r["parts"][j][i] for r in results) for i in (0, 1)) for j in range(n)]
+    fw = [tuple(sum(r["forward_parts"][j][i] for r in results) for i in (0, 1)) for j in range(n)]
+    return {"batch_sizes": list(results[0]["batch_sizes"]), "speedup": [a / b for a, b in parts], "parts": parts,
+            "forward_parts": fw, "tokens_per_forward_by_batch": [e / c if c else float("nan") for e, c in fw],
+            "tokens_per_forward": fw[0][0] / fw[0][1] if fw and fw[0][1] else float("nan"),
+            "requests": sum(r["requests"] for r in results)}
 
 
 def missed_tokens(emitted: np.ndarray, ran: np.ndarray, prompt_len: int = 0) -> np.ndarray:
@@ -173,7 +195,8 @@ def simulate(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, acc
             base_tpt[c] += B[c] * G / base
             spec_tpt[c] += B[c] * G / spec
     speedup = spec_tpt / base_tpt  # ratio of mean throughputs (the means' 1/n cancels)
-    return _result(B.tolist(), speedup.tolist(), per_b[0], len(reqs), per_b if pol.batch_aware else None)
+    return _result(B.tolist(), speedup.tolist(), zip(spec_tpt, base_tpt), per_b[0], len(reqs),
+                   per_b if pol.batch_aware else None)
 
 
 def simulate_randmatch(traces, pol: RandMatch, cost: CostModel, batch_sizes, n_requests: int = 300,
@@ -208,7 +231,7 @@ def simulate_randmatch(traces, pol: RandMatch, cost: CostModel, batch_sizes, n_r
     P = np.array([t.prompt_len for t in reqs], float)
     G = np.array([generated_len(t, pol.methods) for t in reqs], float)
     n_one = int(one.sum())
-    speedups = []
+    speedups, parts = [], []
     for B in batch_sizes:
         mt.set_state(mt_state)  # the published simulator reseeds before every batch size
         m = np.full(len(emitted), float(B))
@@ -218,8 +241,9 @@ def simulate_randmatch(traces, pol: RandMatch, cost: CostModel, batch_sizes, n_r
         verify = cost.verify(B * (P[req] + 1 + cum_before), m * (pol.k + 1) + (B - m))
         step = verify + dc.fraction * verify * m / B + cost.overhead_per_step  # a copy without a match drafts nothing
         spec = pre + np.bincount(req, weights=step, minlength=len(reqs))
-        speedups.append(float((B * G / spec).sum() / (B * G / base).sum()))
-    return _result(batch_sizes, speedups, trajs, len(reqs))
+        parts.append(((B * G / spec).sum(), (B * G / base).sum()))
+        speedups.append(float(parts[-1][0] / parts[-1][1]))
+    return _result(batch_sizes, speedups, parts, trajs, len(reqs))
 
 
 def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes, accounting: str = "optimistic",
@@ -235,13 +259,14 @@ def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes,
     trajs_by_b = trajectories(reqs, pol, ctxs) if pol.batch_aware else trajectories(reqs, pol) * len(batch_sizes)
     P = np.array([t.prompt_len for t in reqs], dtype=np.int64)
     G = np.array([generated_len(t, pol.methods) for t in reqs], dtype=np.int64)
-    speedups = []
+    speedups, parts = [], []
     for B, trajs in zip(batch_sizes, trajs_by_b):
         # consecutive groups of B; a partial tail batch would mix batch sizes (unless it is the only one)
         rows = len(reqs) if len(reqs) < B else len(reqs) // B * B
         tok, base_t, spec_t = _set_batches(cost, pol, accounting, P[:rows], G[:rows], trajs[:rows], int(B))
         speedups.append((tok / spec_t) / (tok / base_t))
-    return _result(batch_sizes, speedups, trajs_by_b[0] if trajs_by_b else [], len(reqs),
+        parts.append((base_t, spec_t))  # the same tokens in both: speedup = base_t / spec_t
+    return _result(batch_sizes, speedups, parts, trajs_by_b[0] if trajs_by_b else [], len(reqs),
                    trajs_by_b if pol.batch_aware else None)
 
 
@@ -317,7 +342,7 @@ TUNE_SEED = 7  # the fixed split of --tune: which sampled requests fit parameter
 
 def tune_split(traces: list[Trace], methods, n_requests: int = 300, seed: int = TUNE_SEED):
     """The sampled requests (as every policy sees them) in two disjoint halves, fixed by seed:
-    (fit, score). Parameters are chosen on fit and reported on score only."""
+    (first, second). --tune fits parameters on each and scores them on the other (_cross_fitted)."""
     reqs = sample_requests(traces, methods, n_requests)
     order = list(range(len(reqs)))
     random.Random(seed).shuffle(order)
@@ -451,28 +476,44 @@ def _file_rows(f: str, cost: CostModel, batch_sizes, accountings, policy_specs, 
             continue
         simulated = accountings if pol.accounting_matters(cost) else accountings[:1]  # the same in both
         for accounting in simulated:
-            if tune:
-                fit, score = tune_split(traces, pol.methods, n_requests)
-                tuned = (_tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset)
-                         if hasattr(pol, "tune_grid") else [pol] * len(batch_sizes))
-                template = pol.name if hasattr(pol, "tune_grid") else None
-                runs = [(c, sim(score, c, cost, [b], accounting, len(score), dataset), template)
-                        for c, b in zip(tuned, batch_sizes)]
-            else:
-                runs = [(pol, sim(traces, pol, cost, batch_sizes, accounting, n_requests, dataset), None)]
-            for p, r, template in runs:
+            runs = (_cross_fitted(sim, traces, pol, cost, batch_sizes, accounting, n_requests, dataset) if tune else
+                    [("all", pol.name, pol.k, sim(traces, pol, cost, batch_sizes, accounting, n_requests, dataset))])
+            template = pol.name if tune and hasattr(pol, "tune_grid") else None
+            for half, name, k, r in runs:
                 tpf = r.get("tokens_per_forward_by_batch") or [r["tokens_per_forward"]] * len(r["batch_sizes"])
                 for b, s, tp in zip(r["batch_sizes"], r["speedup"], tpf):
                     for a in (accountings if len(simulated) == 1 else [accounting]):
-                        rows.append({"dataset": dataset, "policy": p.name, "kind": p.kind,
-                                     "methods": "+".join(p.methods), "k": p.k or None, "batch_size": b,
+                        rows.append({"dataset": dataset, "policy": name, "kind": pol.kind,
+                                     "methods": "+".join(pol.methods), "k": k or None, "batch_size": b,
                                      "accounting": a, "speedup": s, "tokens_per_forward": tp,
                                      "requests": r["requests"], "cost_model": cost.name, "batch_mode": batch_mode,
-                                     "realizable": p.realizable,
-                                     "approximate": p.kind == "dp" and b > 1,
+                                     "realizable": pol.realizable,
+                                     "approximate": pol.kind == "dp" and b > 1,
                                      "neural_draft_charge": neural_charge(cost),
-                                     "half": "score" if tune else "all", "tuned_from": template})
+                                     "half": half, "tuned_from": template})
     return rows, messages
+
+
+def _cross_fitted(sim, traces, pol, cost, batch_sizes, accounting, n_requests, dataset):
+    """--tune's rows for one policy and accounting, per batch size: (half, policy name, k, result).
+
+    The sampled requests are split in two halves (tune_split); a policy with a tune_grid is fitted
+    on each half and scored on the other (cross-fitting), so that every request is scored by
+    parameters fitted without it. half "first" is the first half scored (under the parameters
+    fitted on the second), "second" the reverse, "both" every sampled request (the two together:
+    sums of times, not a mean of speedups). A policy without parameters is simply scored on each
+    half. name is the spec used, "A / B" where the two halves' fits differ (A scored the first)."""
+    first, second = tune_split(traces, pol.methods, n_requests)
+    fitted = [_tuned(sim, fit, pol, cost, batch_sizes, accounting, dataset) if hasattr(pol, "tune_grid")
+              else [pol] * len(batch_sizes) for fit in (second, first)]  # the specs that score first, second
+    out = []
+    for b, pa, pb in zip(batch_sizes, *fitted):
+        ra, rb = (sim(score, p, cost, [b], accounting, len(score), dataset) for score, p in ((first, pa), (second, pb)))
+        out += [("first", pa.name, pa.k, ra), ("second", pb.name, pb.k, rb)]
+        same = pa.name == pb.name
+        out.append(("both", pa.name if same else f"{pa.name} / {pb.name}", pa.k if pa.k == pb.k else None,
+                    combine([ra, rb])))
+    return out
 
 
 GAP_KEYS = ["dataset", "batch_size", "accounting", "neural_draft_charge", "half"]
