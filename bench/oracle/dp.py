@@ -24,50 +24,84 @@ import numpy as np
 from .policies import Policy, PolicyError, _draft_length
 
 
+# Lane-positions whose cycle costs are computed together: the backward pass lays out the seconds
+# of every (k, method) choice for a block of positions at once, so that each position's own step
+# is a few array operations (a request of thousands of tokens is thousands of steps).
+BLOCK_CELLS = 1 << 14
+
+
 def solve(pol: Policy, lanes) -> SimpleNamespace:
-    """The least-time plans of every lane (lanes.Lanes: requests x contexts) at once: per lane,
-    position cur (1 .. G - 1; row offset[lane] + cur of the tables) and previous method (W: none
-    yet), the best (method, k) of the cycle starting there and the seconds from there to the end
-    (cycles only: prefill is the same for every plan; only the choices are returned). Backwards
-    over positions, every lane whose generation reaches cur in one step of arrays."""
+    """The least-time plans of every lane (lanes.Lanes: requests x contexts) at once: per lane
+    and position cur (1 .. G - 1) and previous method (W: none yet), the best (method, k) of the
+    cycle starting there (rows pos_start[cur] + rank[lane] of w and k; only the choices are
+    returned). Backwards over positions, every lane whose generation reaches cur in one step of
+    arrays, lanes ranked longest first so that those still planning are a prefix.
+
+    V(cur, prev) = the seconds from position cur to the end (0 at and past G: prefill is the same
+    for every plan). A cycle from cur that emits e lands at cur + e, and e = min(acc_len, k + 1):
+    for k + 1 <= acc_len at cur + k + 1, else at cur + acc_len. The values of the next K + 1
+    positions are kept in a window (win[e - 1] = V(cur + e), 0 past a lane's end), so no landing
+    is looked up anywhere else."""
     W, K, cost = len(pol.methods), pol.k, lanes.cost
     G = lanes.G
-    offset = np.concatenate(([0], np.cumsum(G + 1)[:-1])).astype(np.int64)
-    V = np.zeros((int((G + 1).sum()), W + 1))  # seconds left; row G of a lane (the end) stays 0
-    best_w = np.zeros(V.shape, dtype=np.int8)
-    best_k = np.zeros(V.shape, dtype=np.int16)
+    L = len(G)
+    order = np.argsort(-G, kind="stable")  # longest first
+    rank = np.empty(L, dtype=np.int64)
+    rank[order] = np.arange(L)
+    top = int(G.max(initial=0))
+    planning = np.searchsorted(-G[order], -np.arange(top + 1), side="left")  # lanes with G - 1 >= cur
+    planning[0] = 0  # position 0 is prefill's
+    pos_start = np.concatenate(([0], np.cumsum(planning)[:-1])).astype(np.int64)
+    best_w = np.zeros((int(planning.sum()), W + 1), dtype=np.int8)
+    best_k = np.zeros((int(planning.sum()), W + 1), dtype=np.int16)
     sw = cost.switching_cost if pol.charges_switching(lanes.accounting) else 0.0
     switch = sw * (np.arange(W + 1)[:, None] != np.arange(W)[None, :])  # [previous, method]
     switch[W] = 0.0  # the first cycle switches from nothing
-    order = np.argsort(-G, kind="stable")  # longest first: the lanes still planning at cur are a prefix
-    longest_first = -G[order]
     ks = np.arange(K + 1)
     il = ks + 1
     drafters = [cost.draft(m) for m in pol.methods]
-    methods = np.arange(W)[None, :, None]
-    for cur in range(int(G.max(initial=0)) - 1, 0, -1):
-        A = order[: np.searchsorted(longest_first, -(cur + 1), side="right")]  # lanes with G - 1 >= cur
-        pos = cur - 1
-        fi = lanes.offset[A] + pos
-        B = lanes.batch[A][:, None]
-        kv = B * (lanes.prompt_len[A][:, None] + 1 + pos)
-        verify = cost.verify(kv, B * il[None, :])  # [A, K + 1]
-        sec = np.empty((len(A), W, K + 1))
+    win = np.zeros((K + 1, W, L))  # win[e - 1, w, r]: V(cur + e, previous method w) of the lane ranked r
+    beyond = np.empty((K + 1, W, L), dtype=bool)
+    flat_w_r = np.arange(W)[:, None] * L + np.arange(L)[None, :]  # win's flat index of [0, w, r]
+    last_flat = max(lanes.acc.shape[1] - 1, 0)
+    hi = top - 1
+    while hi >= 1:
+        n_top = int(planning[hi])
+        lo = max(1, hi - max(1, BLOCK_CELLS // max(n_top, 1)) + 1)
+        curs = np.arange(hi, lo - 1, -1)  # this block's positions, in the pass's order
+        A = order[:int(planning[lo])]
+        pos = curs - 1
+        # a lane shorter than the block reads past its own positions: clipped, and never used
+        fi = np.minimum(pos[:, None] + lanes.offset[A][None, :], last_flat)  # [positions, A]
+        B = lanes.batch[A][None, None, :]
+        kv = B * (pos[:, None, None] + lanes.prompt_len[A][None, None, :] + 1)  # [positions, 1, A]
+        verify = cost.verify(kv, B * il[None, :, None])  # [positions, K + 1, A]
+        sec = np.empty((len(curs), K + 1, W, len(A)))
         for w, dc in enumerate(drafters):
-            sec[:, w] = verify + np.where(ks > 0, dc.time(verify, kv, il[None, :]), 0.0) + cost.overhead_per_step
+            s = verify + np.where(ks[:, None] > 0, dc.time(verify, kv, il[None, :, None]), 0.0) + cost.overhead_per_step
             # a lookup proposes at most what it found
-            sec[:, w] = np.where(lanes.has[A, w][:, None] & (ks[None, :] > lanes.drafted[w, fi][:, None]), np.inf,
-                                 sec[:, w])
-        emitted = np.minimum(lanes.acc[:, fi].T[:, :, None], il[None, None, :])  # [A, W, K + 1]
-        landing = np.minimum(cur + emitted, G[A][:, None, None])
-        cand = sec + V[offset[A][:, None, None] + landing, methods]  # this cycle, then the best from where it lands
-        k = cand.argmin(2)  # [A, W]
-        tot = np.take_along_axis(cand, k[:, :, None], 2)[:, None, :, 0] + switch[None]  # [A, W + 1, W]
-        w = tot.argmin(2)  # [A, W + 1]
-        row = offset[A] + cur
-        V[row] = np.take_along_axis(tot, w[:, :, None], 2)[:, :, 0]
-        best_w[row], best_k[row] = w, np.take_along_axis(k, w, 1)
-    return SimpleNamespace(w=best_w, k=best_k, offset=offset)
+            sec[:, :, w] = np.where(lanes.has[A, w][None, None, :] & (ks[None, :, None] > lanes.drafted[w, fi][:, None, :]),
+                                    np.inf, s)
+        acc = np.moveaxis(lanes.acc[:, fi], 0, 1)  # [positions, W, A]
+        for i, cur in enumerate(curs.tolist()):
+            n = int(planning[cur])
+            a = acc[i, :, :n]
+            ahead = win[:, :, :n]
+            # V where each choice lands: k + 1 <= acc_len at cur + k + 1, else at cur + acc_len
+            at_acc = win.reshape(-1)[(np.minimum(a, K + 1) - 1) * (W * L) + flat_w_r[:, :n]]  # [W, n]
+            np.greater(il[:, None, None], a[None], out=beyond[:, :, :n])
+            cand = sec[i, :, :, :n] + np.where(beyond[:, :, :n], at_acc, ahead)  # [K + 1, W, n]
+            least = cand.min(0)  # [W, n]
+            k = (cand == least).argmax(0)  # the first k of the least time
+            tot = least[None] + switch[:, :, None]  # [W + 1, W, n]
+            w = tot.argmin(1)  # [W + 1, n]
+            rows = slice(pos_start[cur], pos_start[cur] + n)
+            best_w[rows] = w.T
+            best_k[rows] = k.reshape(-1)[w * n + np.arange(n)].T  # k of the method chosen, per previous
+            win[1:, :, :n] = win[:-1, :, :n].copy()
+            win[0, :, :n] = tot.min(1)[:W]
+        hi = lo - 1
+    return SimpleNamespace(w=best_w, k=best_k, pos_start=pos_start, rank=rank)
 
 
 @dataclass(frozen=True)
@@ -96,7 +130,7 @@ class Dp(Policy):
         return st
 
     def decide(self, st, idx, pos, avail, has):
-        row = st.offset[idx] + pos + 1
+        row = st.pos_start[pos + 1] + st.rank[idx]
         w, k = st.w[row, st.prev[idx]].astype(np.int64), st.k[row, st.prev[idx]].astype(np.int64)
         return w, k, (np.arange(len(self.methods))[None, :] == w[:, None]) & (k > 0)[:, None]
 
