@@ -49,10 +49,13 @@ class DraftCost:
         callers can sum drafters of either kind."""
         if self.kind == "relative":
             return self.fraction * verify + np.zeros_like(kv_tokens)
-        catch_up = self.c_missed * np.asarray(missed, dtype=np.float64)
         if self.per == "step":  # one forward per drafted token (input_len - 1 of them)
-            return (np.asarray(input_len) - 1) * (self.c_kv * kv_tokens + self.c_tokens + self.c_fixed) + catch_up
-        return self.c_kv * kv_tokens + self.c_tokens * input_len + self.c_fixed + catch_up
+            t = (np.asarray(input_len) - 1) * (self.c_kv * kv_tokens + self.c_tokens + self.c_fixed)
+        else:
+            t = self.c_kv * kv_tokens + self.c_tokens * input_len + self.c_fixed
+        if self.c_missed == 0.0 and np.ndim(missed) == 0:  # nothing to add (a hot path of the simulators)
+            return t
+        return t + self.c_missed * np.asarray(missed, dtype=np.float64)
 
 
 @dataclass

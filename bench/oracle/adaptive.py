@@ -266,8 +266,16 @@ class Goodput(Adaptive):
     def lanes_state(self, lanes):
         _need_context(self, lanes)
         L, W = len(lanes), len(self.methods)
-        return SimpleNamespace(lanes=lanes, tried=np.zeros((L, W, self.k)), acc=np.zeros((L, W, self.k)),
+        tried, acc = np.zeros((L, W, self.k)), np.zeros((L, W, self.k))
+        return SimpleNamespace(lanes=lanes, tried=tried, acc=acc, gain=self._gain(acc, tried),
                                prev=np.full(L, -1), lookup=np.array([is_lookup(m) for m in self.methods]))
+
+    @staticmethod
+    def _gain(acc, tried):
+        """Expected tokens for k = 1..K drafts (last axis): 1 + sum_{j<=k} prod_{i<=j} p_i, p_i the
+        estimate (accepted + 1) / (tried + 2) at depth i. Kept per lane and method, and computed
+        again only for the method a cycle ran (observe_lanes)."""
+        return 1 + np.cumsum(np.cumprod((acc + 1) / (tried + 2), axis=-1), axis=-1)
 
     def choose_lanes(self, st, idx, pos, avail, has):
         lanes, W, K, n = st.lanes, len(self.methods), self.k, len(idx)
@@ -279,12 +287,13 @@ class Goodput(Adaptive):
         off = base[:, 0]  # k = 0 keeps the drafter: a plain step, the consulted lookups charged
         for j in range(W):
             off = off + np.where(consult[:, j], drafting[j, :, 0], 0.0)
-        gain = 1 + np.cumsum(np.cumprod((st.acc[idx] + 1) / (st.tried[idx] + 2), axis=2), axis=2)  # [n, W, K]
+        gain = st.gain[idx]  # [n, W, K]
+        consulted = [np.where(consult[:, j, None], drafting[j, :, 1:], 0.0) for j in range(W)]
         rates = np.empty((n, W, K))
         for w in range(W):
             t = base[:, 1:]
             for j in range(W):  # in method order, as one cycle's drafters add up
-                t = t + np.where((consult[:, j] | (j == w))[:, None], drafting[j, :, 1:], 0.0)
+                t = t + (drafting[j, :, 1:] if j == w else consulted[j])
             if self.charges_switching(lanes.accounting):
                 t = np.where(((prev >= 0) & (prev != w))[:, None], t + lanes.cost.switching_cost, t)
             kmax = np.where(has[:, w], np.minimum(K, avail[:, w]), K)
@@ -301,6 +310,7 @@ class Goodput(Adaptive):
         depth = np.arange(self.k)[None, :]
         st.tried[idx, w] += depth < np.minimum(n + 1, drafts)[:, None]  # depths 1..n accepted, n + 1 rejected
         st.acc[idx, w] += depth < n[:, None]
+        st.gain[idx, w] = self._gain(st.acc[idx, w], st.tried[idx, w])
 
 
 @dataclass(frozen=True)

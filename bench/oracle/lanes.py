@@ -82,7 +82,9 @@ class Lanes:
         kv = B * (self.prompt_len[idx][:, None] + 1 + pos[:, None])
         il = ks[None, :] + 1
         verify = self.cost.verify(kv, B * il)
-        drafts = np.stack([self.cost.draft(m).time(verify, kv, il) for m in self.methods])
+        drafts = np.empty((len(self.methods),) + verify.shape)
+        for j, m in enumerate(self.methods):
+            drafts[j] = self.cost.draft(m).time(verify, kv, il)
         return verify, drafts
 
 
@@ -147,20 +149,25 @@ def walk_stateless(pol, st, lanes: Lanes):
 
 def walk_lockstep(pol, st, lanes: Lanes):
     """All lanes one cycle at a time, each at its own position, the policy deciding for the lanes
-    still running and learning their outcomes; as walk_stateless returns."""
-    cur = np.ones(len(lanes), dtype=np.int64)  # the first token comes from prefill
+    still running and learning their outcomes; as walk_stateless returns. What the running lanes
+    need each cycle (position, offset, length, has) is kept as arrays of its own and cut only when
+    a lane finishes: a long request is thousands of cycles for a few lanes."""
     active = np.flatnonzero(lanes.G > 1)
+    pos = np.zeros(len(active), dtype=np.int64)  # the first token comes from prefill: cycles start at 0
+    offset, last, has = lanes.offset[active], lanes.G[active] - 1, lanes.has[active]
     out = []
     while len(active):
-        pos = cur[active] - 1
-        fi = lanes.offset[active] + pos
-        w, drafts, ran = pol.decide(st, active, pos, lanes.drafted[:, fi].T, lanes.has[active])
+        fi = offset + pos
+        w, drafts, ran = pol.decide(st, active, pos, lanes.drafted[:, fi].T, has)
         il, emitted, w = outcome(lanes, fi, w, drafts)
-        _check_emits(emitted, lanes, active, pos, pol)
+        if emitted.min() < 1:
+            _check_emits(emitted, lanes, active, pos, pol)
         pol.learn(st, active, w, drafts, emitted)
         out.append((active, il, emitted, ran, w))
-        cur[active] += emitted
-        active = active[cur[active] < lanes.G[active]]
+        pos = pos + emitted
+        going = pos < last
+        if not going.all():
+            active, pos, offset, last, has = active[going], pos[going], offset[going], last[going], has[going]
     if not out:
         return _no_cycles(len(lanes.methods))
     lane, il, emitted, ran, w = (np.concatenate(x) for x in zip(*out))
