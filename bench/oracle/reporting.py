@@ -14,7 +14,7 @@ def summary_markdown(df, cost: CostModel) -> str:
            "total speculative throughput / total baseline throughput")
     lines = [f"# Oracle analysis ({cost.name})", "", f"Cost model: {cost.source or cost.name}.", "",
              f"Batches: {how}. Single-method policies are charged the same in both accountings.", ""]
-    halves = df
+    every_half = df  # under --tune the dp table shows each half too
     if "half" in df and (df.half == "both").any():
         lines += ["Tuned (--tune), cross-fitted: the sampled requests split in two halves, a policy's parameters "
                   "fitted on each half and scored on the other, so every request is scored by parameters fitted "
@@ -57,8 +57,8 @@ def summary_markdown(df, cost: CostModel) -> str:
                     lines.append(f"The realizable rule {best_real.policy} reaches {r:.2f}x: it closes "
                                  f"{100 * (r - best_fixed.speedup) / gap:.0f}% of the gap between {best_fixed.policy} and the "
                                  "optimistic combined bound.")
-        same = (halves.dataset == ds) & ((halves.neural_draft_charge == charge) if len(charges) > 1 else True)
-        lines += _against_dp(halves[same])  # under --tune each half's rows too
+        same = (every_half.dataset == ds) & ((every_half.neural_draft_charge == charge) if len(charges) > 1 else True)
+        lines += _against_dp(every_half[same])
         lines.append("")
     return "\n".join(lines)
 

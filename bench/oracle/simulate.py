@@ -72,27 +72,26 @@ def baseline_time(cost: CostModel, P, G, B):
             + cost.c_kv * B * (n * (P + 1) + n * (n - 1) / 2))
 
 
-def _tokens_per_forward(trajs) -> float:
+def _forwards(trajs) -> tuple[float, tuple[float, float]]:
+    """tokens_per_forward of the trajectories, and its parts (tokens emitted, target forwards),
+    which add up over disjoint requests (combine)."""
     # every simulated cycle is one target forward, whether it drafted or not: tokens per forward
     # (bench.metrics' definition), which the first versions of this table called mean_acceptance_length
-    return metrics.tokens_per_forward(np.concatenate([t.emitted for t in trajs]) if trajs else np.zeros(0))
+    emitted = np.concatenate([t.emitted for t in trajs]) if trajs else np.zeros(0)
+    return metrics.tokens_per_forward(emitted), (float(emitted.sum()), float(len(emitted)))
 
 
 def _result(batch_sizes, speedups, parts, trajs, n_requests: int, per_batch_trajs=None) -> dict:
     """A simulator's answer. parts: per batch size, (numerator, denominator) of its speedup, each a
     sum over the requests, so that the results of disjoint sets of requests add up (combine);
     forward_parts likewise (tokens emitted, target forwards) for tokens_per_forward."""
-    def forwards(tr):
-        emitted = np.concatenate([t.emitted for t in tr]) if tr else np.zeros(0)
-        return (float(emitted.sum()), float(len(emitted)))
-
+    tpf, fw = _forwards(trajs)
     out = {"batch_sizes": list(batch_sizes), "speedup": list(speedups), "parts": [tuple(map(float, p)) for p in parts],
-           "tokens_per_forward": _tokens_per_forward(trajs), "requests": n_requests}
+           "tokens_per_forward": tpf, "forward_parts": [fw] * len(batch_sizes), "requests": n_requests}
     if per_batch_trajs is not None:  # a batch-aware policy: a trajectory per batch size
-        out["tokens_per_forward_by_batch"] = [_tokens_per_forward(tr) for tr in per_batch_trajs]
-        out["forward_parts"] = [forwards(tr) for tr in per_batch_trajs]
-    else:
-        out["forward_parts"] = [forwards(trajs)] * len(out["batch_sizes"])
+        by_batch = [_forwards(tr) for tr in per_batch_trajs]
+        out["tokens_per_forward_by_batch"] = [t for t, _ in by_batch]
+        out["forward_parts"] = [f for _, f in by_batch]
     return out
 
 
@@ -102,6 +101,7 @@ def combine(results: list[dict]) -> dict:
     n = len(results[0]["batch_sizes"])
     parts = [tuple(sum(r["parts"][j][i] for r in results) for i in (0, 1)) for j in range(n)]
     fw = [tuple(sum(r["forward_parts"][j][i] for r in results) for i in (0, 1)) for j in range(n)]
+    # tokens per forward as bench.metrics defines it (tokens emitted / forwards), from the summed parts
     return {"batch_sizes": list(results[0]["batch_sizes"]), "speedup": [a / b for a, b in parts], "parts": parts,
             "forward_parts": fw, "tokens_per_forward_by_batch": [e / c if c else float("nan") for e, c in fw],
             "tokens_per_forward": fw[0][0] / fw[0][1] if fw and fw[0][1] else float("nan"),
