@@ -308,9 +308,9 @@ class Goodput(Adaptive):
     def observe_lanes(self, st, idx, w, drafts, emitted):
         n = emitted - 1
         depth = np.arange(self.k)[None, :]
-        st.tried[idx, w] += depth < np.minimum(n + 1, drafts)[:, None]  # depths 1..n accepted, n + 1 rejected
-        st.acc[idx, w] += depth < n[:, None]
-        st.gain[idx, w] = self._gain(st.acc[idx, w], st.tried[idx, w])
+        tried = st.tried[idx, w] + (depth < np.minimum(n + 1, drafts)[:, None])  # depths 1..n accepted, n + 1 rejected
+        acc = st.acc[idx, w] + (depth < n[:, None])
+        st.tried[idx, w], st.acc[idx, w], st.gain[idx, w] = tried, acc, self._gain(acc, tried)
 
 
 @dataclass(frozen=True)
