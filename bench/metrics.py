@@ -7,11 +7,14 @@ A request's decode is a sequence of cycles: in cycle i the drafter proposes k_i 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from .backend import SpecCounters
+
+if TYPE_CHECKING:  # pandas is imported where it is used: the oracle's simulator reads this module's
+    import pandas as pd  # definitions without it, and specsweep-oracle loads pandas while it simulates
 
 
 def counts_from_cycles(drafted, accepted, k: int) -> SpecCounters:
@@ -91,6 +94,8 @@ def request_acceptance(cycles: pd.DataFrame, key: str = "request_id") -> dict[st
     g = cycles[cycles.drafted > 0].groupby(key)[["drafted", "accepted"]].sum()
     if g.empty:
         return {f"request_acceptance_{s}": math.nan for s in ("mean", "p10", "p50", "p90")}
+    import pandas as pd
+
     per = pd.Series([acceptance(SpecCounters(0, int(d), int(a)), 0)["acceptance_rate"] for d, a in zip(g.drafted, g.accepted)])
     return {"request_acceptance_mean": float(per.mean()), "request_acceptance_p10": float(per.quantile(0.1)),
             "request_acceptance_p50": float(per.quantile(0.5)), "request_acceptance_p90": float(per.quantile(0.9))}
@@ -205,6 +210,8 @@ def within_engine_numerics(margins) -> bool:
 def by_draft_source(source, drafted, accepted) -> dict:
     """Combined drafters: for each source (e.g. ngram, neural), its share of the cycles and the
     acceptance rate of its own drafts."""
+    import pandas as pd
+
     df = pd.DataFrame({"source": source, "drafted": drafted, "accepted": accepted}).dropna(subset=["source"])
     return {str(s): {"cycle_share": len(g) / len(df), "acceptance_rate": acceptance_rate(g.drafted, g.accepted)}
             for s, g in df.groupby("source")}

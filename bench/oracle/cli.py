@@ -7,13 +7,18 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from ..costmodel import load_cost_model, with_neural_charge
 from ..methods import declare
 from .reporting import plot, summary_markdown
 from .simulate import run
 from .tracefile import TraceError, parse_lookup
+
+
+def _load_plotting() -> None:
+    """The table's and the plot's libraries (pandas and matplotlib, close to a second on a slow
+    CPU), loaded while the last trace files are simulated on a CPU left free, rather than before
+    or after them."""
+    from .. import report  # noqa: F401
 
 
 def main(argv=None) -> int:
@@ -71,15 +76,18 @@ def main(argv=None) -> int:
         cost = load_cost_model(a.cost_model)
         accountings = ["optimistic", "faithful"] if a.accounting == "both" else [a.accounting]
         charges = {None: [None], "both": ["cycle", "step"]}.get(a.neural_draft_charge, [a.neural_draft_charge])
-        df = pd.concat([run(a.traces, cost if per is None else with_neural_charge(cost, per), a.batch_sizes, accountings,
-                            a.policies, a.requests, a.batch_mode, a.tune,
-                            warn=lambda m: print(f"specsweep-oracle: {m}", file=sys.stderr), lookups=lookups,
-                            jobs=a.jobs)
-                        for per in charges], ignore_index=True)
+        tables = [run(a.traces, cost if per is None else with_neural_charge(cost, per), a.batch_sizes, accountings,
+                      a.policies, a.requests, a.batch_mode, a.tune,
+                      warn=lambda m: print(f"specsweep-oracle: {m}", file=sys.stderr), lookups=lookups,
+                      jobs=a.jobs, while_waiting=_load_plotting)
+                  for per in charges]
     except (TraceError, ValueError) as e:
         print(f"specsweep-oracle: {e}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - t0
+    import pandas as pd  # loaded by now (run, _load_plotting)
+
+    df = pd.concat(tables, ignore_index=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_parquet(out / "oracle.parquet", index=False)

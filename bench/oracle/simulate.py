@@ -390,7 +390,7 @@ def _warn_read_as_published(traces, dataset: str, warn) -> None:
 
 
 def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=None, n_requests: int = 300,
-        batch_mode: str = "set", tune: bool = False, warn=None, lookups=(), jobs: int = 1):
+        batch_mode: str = "set", tune: bool = False, warn=None, lookups=(), jobs: int = 1, while_waiting=None):
     """Every policy x accounting x batch size for every trace file; returns a DataFrame.
 
     tune: parameters of the policies that have a tune_grid are fitted on one half of the sampled
@@ -400,7 +400,10 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     lookups: (method, knobs) pairs whose lookup is recomputed from the token ids where a trace
     records no match_len (tracefile.recompute_lookup); warn says how often it agrees with the
     trace's acc_len. jobs: trace files simulated in that many processes at once (each file is
-    independent; the rows and messages come back in file order, the same as with one)."""
+    independent; the rows and messages come back in file order, the same as with one).
+    while_waiting: the caller's own work (a callable), run once in this process as soon as a
+    worker has nothing left to start, so that it overlaps the last files' simulation instead of
+    following it (with one process: after the simulation)."""
     import pandas as pd
 
     args = (cost, batch_sizes, accountings, policy_specs, n_requests, batch_mode, tune, warn is not None, tuple(lookups))
@@ -408,13 +411,23 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     if jobs > 1 and len(files) > 1:
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(max_workers=min(jobs, len(files))) as pool:
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        workers = min(jobs, len(files))
+        with ProcessPoolExecutor(max_workers=workers) as pool:
             # the largest files first, so that no worker is left with a large one at the end
             by_size = sorted(files, key=lambda f: -Path(f).stat().st_size)
             futures = {f: pool.submit(_file_rows, f, *args) for f in by_size}
+            if while_waiting is not None:
+                running = set(futures.values())
+                while len(running) >= workers:  # every file started, and a worker idle: a CPU is free
+                    _, running = wait(running, return_when=FIRST_COMPLETED)
+                while_waiting()
             results = [futures[f].result() for f in files]
     else:
-        results = (_file_rows(f, *args) for f in files)
+        results = [_file_rows(f, *args) for f in files]
+        if while_waiting is not None:
+            while_waiting()
     rows = []
     for file_rows, messages in results:
         for m in messages:
