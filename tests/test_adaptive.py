@@ -1,6 +1,7 @@
 """Adaptive realizable policies, the dp bound, gap_closed, the neural draft charge and --tune, on
 random and hand-made traces. Nothing here asserts a speed: only orderings a definition implies."""
 import json
+import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -645,13 +646,15 @@ def test_trace_files_in_parallel_give_the_rows_and_messages_of_one_process(tmp_p
     (tmp_path / "b").mkdir()
     b = _toy_file(tmp_path / "b", drafted=False).rename(tmp_path / "combined_other.jsonl")  # match n/a there, and said
     said = {1: [], 2: []}
-    dfs = {j: run([a, b], COST, [1, 4], ["optimistic", "faithful"], None, 16, warn=said[j].append, jobs=j)
-           for j in (1, 2)}
+    waited = {1: [], 2: []}  # the caller's own work: run once in this process either way
+    dfs = {j: run([a, b], COST, [1, 4], ["optimistic", "faithful"], None, 16, warn=said[j].append, jobs=j,
+                  while_waiting=lambda j=j: waited[j].append(os.getpid())) for j in (1, 2)}
     import pandas as pd
 
     pd.testing.assert_frame_equal(dfs[1], dfs[2])
     assert said[1] == said[2] and any("n/a on other" in m for m in said[1])
     assert set(dfs[1].dataset) == {"toy", "other"}
+    assert waited == {1: [os.getpid()], 2: [os.getpid()]}
 
 
 @pytest.mark.parametrize("spec", [s for s in REALIZABLE if not s.startswith(("conf", "tree"))])
