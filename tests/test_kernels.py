@@ -211,3 +211,29 @@ def test_a_rowdot_that_cannot_be_built_leaves_the_others_and_says_why(tmp_path, 
     assert why and not set(kernels.OWN_PRODUCTS) & set(kernels.CANDIDATES) and any("not available here" in s for s in said)
     summary = kernels.tune([torch.randn(16, 8)])
     assert summary["rowdot"] == f"unavailable: {why}" and "16x8 float32" in summary
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_run():
+    """torch's extension builder waits, with no limit, for its lock file to go; a build killed
+    midway leaves it behind. Here a real builder is killed while it holds the build (SIGKILL, as
+    a stopped run or a job's time limit does), then a new process loads rowdot.cpp: it must remove
+    the dead builder's lock and load, not wait forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    assert kernels.load_rowdot() is None
+    lock = kernels.ROWDOT["build_dir"] / "lock"
+    # a builder that takes torch's lock the way torch does, then dies holding it
+    holder = subprocess.Popen([sys.executable, "-c", "from torch.utils.file_baton import FileBaton; import sys, time\n"
+                               f"assert FileBaton({str(lock)!r}).try_acquire(); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert lock.exists()
+    out = subprocess.run([sys.executable, "-c", "from backends.native import kernels\n"
+                          "print(kernels.load_rowdot(print))"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "None", out.stdout + out.stderr[-2000:]
+    assert "left by a build that was stopped" in out.stdout and not lock.exists()

@@ -19,10 +19,13 @@ near it.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -96,6 +99,31 @@ ROWDOT_SOURCE = Path(__file__).with_name("rowdot.cpp")
 ROWDOT_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+@contextmanager
+def _build_held(build_dir: Path, log=None):
+    """Hold build_dir for one builder at a time, by a lock the kernel drops with its holder.
+
+    torch's extension builder marks a build with a file (build_dir/lock) that it removes when the
+    build ends, and every other process waits for it to go, with no time limit. A process killed
+    mid-build (a test run stopped, a job's time limit) leaves that file behind, and from then on
+    every run waits forever, silently. specsweep's builders take this lock first: whoever holds it
+    is the only one of them building, so a torch lock it finds is a dead builder's, removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "specsweep.flock", "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if log:
+                log(f"kernels: another process is building rowdot.cpp in {build_dir}; waiting for it")
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            if log:
+                log(f"kernels: removing {stale}, left by a build that was stopped before it ended")
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def load_rowdot(log=None) -> str | None:
     """Make the rowdot candidate available: build rowdot.cpp with torch's extension builder, check
     it against F.linear and add it to CANDIDATES. The build (ROWDOT_CFLAGS, -march=native among
@@ -115,8 +143,11 @@ def load_rowdot(log=None) -> str | None:
         if log:
             log("kernels: loading specsweep's own products, rowdot.cpp (built for this CPU the first time: about "
                 "40 s on 2 cores)")
-        module = cpp_extension.load(name, [str(ROWDOT_SOURCE)], extra_cflags=ROWDOT_CFLAGS, extra_ldflags=["-fopenmp"],
-                                    verbose=False)
+        # the build itself is not in the name: one folder per Python (the module links against it)
+        build_dir = Path(cpp_extension.get_default_build_root()) / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / name
+        with _build_held(build_dir, log):
+            module = cpp_extension.load(name, [str(ROWDOT_SOURCE)], extra_cflags=ROWDOT_CFLAGS,
+                                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         for rows in (1, 3, 5, 8, 11):  # every path of both kernels, a weight-row count no block divides
             x, w = torch.randn(rows, 40), torch.randn(27, 40)
             for kernel in (module.rowdot, module.rowblock):
@@ -131,7 +162,7 @@ def load_rowdot(log=None) -> str | None:
             log(f"kernels: specsweep's own products (rowdot.cpp) are not available here ({ROWDOT['error']}); the "
                 "library's products are measured without them")
         return ROWDOT["error"]
-    ROWDOT["module"], ROWDOT["name"] = module, name
+    ROWDOT["module"], ROWDOT["name"], ROWDOT["build_dir"] = module, name, build_dir
     CANDIDATES.update(OWN_PRODUCTS)
     return None
 
