@@ -1,6 +1,7 @@
 """The lossless check on hand-made outputs: identical, a near-tie divergence, a real one."""
 import pandas as pd
 
+from bench.backend import Backend
 from bench.runner import _lossless
 
 CFG = {"temperature": 0.0, "lossless_margin_tol": 0.05}
@@ -45,16 +46,54 @@ def test_a_margin_the_engines_shapes_move_across_zero_or_by_its_size_is_within_i
     assert not within_engine_numerics(None)
 
 
-def test_a_divergence_an_engine_cannot_weigh_stays_a_failure_with_why(tiny_llama):
-    """The native engine (the project's tiny random-weight Llama) cannot score a prefix under chosen
-    batch shapes: a clear divergence stays lossless=false, and the detail says why."""
-    from backends.native.backend import NativeBackend
+class _CannotScore:
+    """An adapter that keeps the contract's default margins_across_shapes (Backend's own method,
+    as the vLLM, SGLang and endpoint adapters do): it cannot score a prefix under chosen shapes."""
+    name = "vllm"
+    margins_across_shapes = Backend.margins_across_shapes
+
+
+def test_a_divergence_an_engine_cannot_weigh_stays_a_failure_with_why():
     from bench.runner import _weigh_divergences
 
-    b = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=3)
     base = _base().assign(prompt_token_ids=[[7, 8], [7, 9]])
     spec = _spec([1, 2, 3], [4, 7, 6])
     verdict, failures, near, detail = _lossless(CFG, base, spec)
-    out = _weigh_divergences(b, {**CFG, "num_speculative_tokens": 3}, base, spec, detail, "job")
+    out = _weigh_divergences(_CannotScore(), {**CFG, "num_speculative_tokens": 3}, base, spec, detail, "job")
     assert out == {"lossless": "false", "lossless_divergences": 1, "lossless_shape_ties": 0}
-    assert detail[0]["shape_tie"] is False and "cannot score a prefix" in detail[0]["probe"]
+    assert detail[0]["shape_tie"] is False and "vllm cannot score a prefix" in detail[0]["probe"]
+
+
+def test_the_native_engine_scores_a_prefix_under_batch_shapes(tiny_llama):
+    """The native engine (the project's tiny random-weight Llama, fp32 on this CPU) answers
+    margins_across_shapes: a token against itself is 0 under every shape; the baseline's greedy
+    token leads any other under every shape, by at least the top-2 margin the baseline recorded
+    (less fp32 noise), the shapes agreeing closely in fp32; and a speculative output made to
+    diverge at the clearest decision stays a failure, its margins in the detail. Between probes
+    the cache holds another text, so a probe that read what it did not write would be seen."""
+    from backends.native.backend import NativeBackend
+    from bench.backend import Sampling
+    from bench.runner import _weigh_divergences
+
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=3)
+    ids = b.tokenize("def add(a, b):\n    return a + b\n")
+    r = b.generate([ids], Sampling(), 16, speculative=False).requests[0]
+    out_ids, margins = list(r.output_token_ids), list(r.top2_margins)
+    i = max(range(2, len(out_ids)), key=lambda j: margins[j])  # the clearest decision
+    other = next(t for t in range(50, 500) if t != out_ids[i])
+    assert b.margins_across_shapes(ids + out_ids[:i], out_ids[i], out_ids[i], [1, 2, 0]) == [0.0, 0.0, 0.0]
+    scribble = b.tokenize("x = [i * i for i in range(10)] # squares of the first ten integers, listed")
+    for j in range(2, len(out_ids)):
+        b.generate([scribble], Sampling(), 24, speculative=False)  # slot 0's cache holds another text: the probe must not read it
+        m = b.margins_across_shapes(ids + out_ids[:j], out_ids[j], other if other != out_ids[j] else other + 1, [1, 3, 0])
+        assert min(m) > margins[j] - 1e-3 and max(m) - min(m) < 1e-3, (j, margins[j], m)
+    base = pd.DataFrame({"request_id": ["a"], "repeat": [0], "prompt_token_ids": [ids], "output_token_ids": [out_ids],
+                         "top2_margins": [margins]})
+    spec = pd.DataFrame({"request_id": ["a"], "repeat": [0], "output_token_ids": [out_ids[:i] + [other]]})
+    cfg = {**CFG, "num_speculative_tokens": 3}
+    detail = _lossless(cfg, base, spec)[3]
+    got = _weigh_divergences(b, cfg, base, spec, detail, "job")
+    assert got == {"lossless": "false", "lossless_divergences": 1, "lossless_shape_ties": 0}
+    d = detail[0]
+    assert d["shapes"] == [1, 2, 3, 4, 0] and d["shape_tie"] is False and "probe" not in d
+    assert all(m > margins[i] - 1e-3 for m in d["margins_across_shapes"]), (margins[i], d)

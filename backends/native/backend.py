@@ -272,6 +272,32 @@ class NativeBackend(Backend):
         return self._run(serve, prompts, sampling, max_new_tokens, speculative, plan=plan)
 
     @torch.inference_mode()
+    def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float]:
+        """The target's logit(preferred) - logit(other) as the next token after prefix (= log p
+        difference), one row in cache slot 0, speculation off, per shape: n, the prefix's start
+        forwarded as the engine prefills it and its last n tokens in one forward, as a verify
+        carries them (through the compiled step where the engine runs compiled); 0, the whole
+        prefix in one forward. The engine's bf16 logits move with the tokens a forward carries (a
+        verify is not a decode on a GPU), which is what the lossless check asks about."""
+        dev, model, L = self.cfg.device, self.model, len(prefix)
+        model.setup_cache(1, L + 1)  # a larger cache already there is kept (engine.setup does the same)
+        slot, out = torch.tensor([0], device=dev), []
+        for n in shapes:
+            n = L if n == 0 else min(n, L)
+            head, tail = prefix[: L - n], prefix[L - n:]
+            model.rollback(0, 0)
+            if head:
+                toks = torch.tensor([head], device=dev)
+                model(toks, torch.arange(len(head), device=dev)[None], rows=slot,
+                      logits_for=torch.zeros_like(toks, dtype=torch.bool))
+            toks = torch.tensor([tail], device=dev)
+            last = torch.zeros_like(toks, dtype=torch.bool)
+            last[0, -1] = True
+            logits = model(toks, (len(head) + torch.arange(n, device=dev))[None], rows=slot, logits_for=last)[-1].float()
+            out.append(float(logits[preferred] - logits[other]))
+        return out
+
+    @torch.inference_mode()
     def draft_predictions(self, sequences, with_probs: bool = False):
         d = self.drafter
         if isinstance(d, HeadDrafter):
