@@ -409,9 +409,7 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     args = (cost, batch_sizes, accountings, policy_specs, n_requests, batch_mode, tune, warn is not None, tuple(lookups))
     files = [str(f) for f in trace_files]
     if jobs > 1 and len(files) > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
-        from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         workers = min(jobs, len(files))
         with ProcessPoolExecutor(max_workers=workers) as pool:
