@@ -16,8 +16,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_validation
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-dry")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--compile", "--out", str(out)], capture_output=True,
+                       text=True, timeout=900)
     return out, r
 
 
@@ -26,7 +26,7 @@ def test_every_stage_runs_and_is_recorded(dry):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     stages = s["stages"]
-    assert list(stages) == ["env", "deps", "models", "parity", "roofline", "lossless", "synthetic", "engines"]
+    assert list(stages) == ["env", "deps", "models", "parity", "roofline", "lossless", "synthetic", "engines", "compiled"]
     assert {n: x["status"] for n, x in stages.items()} == {n: "ok" for n in stages}, {n: x.get("error") for n, x in stages.items()}
     assert s["dry_run"] is True and "random" in s["weights"]
     models = stages["models"]["results"]
@@ -37,7 +37,10 @@ def test_every_stage_runs_and_is_recorded(dry):
     roof = stages["roofline"]["results"]
     assert roof["weight_bytes"] > 0 and roof["roofline_step_ms"] > 0 and roof["decode_ms_eager"] > 0
     assert set(roof["verify_cost_ratio"]) == {"1", "2"} and set(roof["verify_cost_ratio"]["1"]["r"]) == {"1", "2", "3", "4"}
-    assert "decode_ms_compiled" not in roof  # --compile defaults to CUDA only
+    compiled = stages["compiled"]["results"]  # the engine's compiled step, its own stage, last
+    assert compiled["decode_ms_compiled"] > 0 and compiled["compile_s"] > 0 and compiled["decode_ms_eager"] > 0
+    assert set(compiled["verify_cost_ratio_compiled_b1"]) == {"1", "2", "3", "4"}
+    assert compiled["goal_met"] == (max(compiled["roofline_share_compiled"], compiled["roofline_share_eager"]) >= 0.6)
     lossless = stages["lossless"]["results"]["rows"]
     assert len(lossless) == 4 and {x["lossless"] for x in lossless} <= {"true"}
     syn = stages["synthetic"]["results"]
@@ -66,7 +69,8 @@ def test_without_cuda_the_real_run_is_refused_with_what_to_do(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU run needs a CUDA device (none here)")
 def test_the_gpu_run_parity_and_roofline_stages(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--only", "parity", "roofline"],
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--only", "parity", "roofline", "compiled"],
                        capture_output=True, text=True, timeout=900)
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["stages"]["parity"]["status"] == "ok" and s["stages"]["roofline"]["status"] == "ok", r.stdout[-3000:]
+    assert {n: s["stages"][n]["status"] for n in ("parity", "roofline", "compiled")} == dict.fromkeys(
+        ("parity", "roofline", "compiled"), "ok"), r.stdout[-3000:]
