@@ -293,8 +293,7 @@ def stage_roofline_and_verify(model_dir: str, dev: str, dtype: str, batches, ns,
             one = timed(_forward(model, B, 1, kv, dev), reps)
             curves[str(B)] = {"t1_ms": one, "r": {str(n): timed(_forward(model, B, n, kv, dev), reps) / one for n in ns}}
         out["verify_cost_ratio"] = curves
-    out["goal_roofline_share"], out["goal_met"] = 0.6, out["roofline_share_eager"] >= 0.6
-    return out
+    return out  # the roofline goal (60%) is judged in stage compiled, over both steps
 
 
 def stage_compiled(model_dir: str, dev: str, dtype: str, ns, kv: int, reps: int):
