@@ -249,6 +249,30 @@ def test_cost_model_verify_is_the_published_target_forward():
     assert UNIT.verify(123, 45) == 1.0
 
 
+def test_the_walk_by_pointer_doubling_visits_what_a_step_by_step_walk_visits():
+    """lanes.visited_positions (log2 rounds of array jumps) against the plain walk it replaces: runs
+    of random lengths, jumps of 0..6 (0 ends a run's walk where it stands, visited)."""
+    from bench.oracle.lanes import visited_positions
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 40, size=50)
+    lengths[:3] = [0, 1, 1000]  # an empty run, a single position, a long walk of many rounds
+    step = rng.integers(0, 7, size=int(lengths.sum()))
+    step[step == 0] = np.where(rng.random(int((step == 0).sum())) < 0.9, 1, 0)  # a few zeros
+    starts = np.cumsum(lengths) - lengths
+    pos = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+    expected = []
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+        p = 0
+        while p < n:
+            expected.append(s + p)
+            if step[s + p] < 1:
+                break
+            p += int(step[s + p])
+    got = visited_positions(step, pos, np.repeat(lengths, lengths), starts[lengths > 0])
+    assert got.tolist() == expected and len(expected) > 300
+
+
 def test_a_trace_built_around_the_checks_cannot_make_the_simulator_loop():
     """load_traces refuses acc_len < 1; a Trace built by hand (the Python API) with one is refused by
     the simulator at that cycle rather than simulated forever."""

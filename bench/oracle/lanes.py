@@ -132,19 +132,37 @@ def walk_stateless(pol, st, lanes: Lanes):
     fi = lanes.offset[idx] + pos
     w, drafts, ran = pol.decide(st, idx, pos, lanes.drafted[:, fi].T, lanes.has[idx])
     il, emitted, w = outcome(lanes, fi, w, drafts)
-    e = emitted.tolist()
-    visited = []
-    base = 0
-    for count in n.tolist():  # the walk itself: sequential, one Python step per cycle
-        p = 0
-        while p < count:
-            visited.append(base + p)
-            if e[base + p] < 1:
-                _check_emits(emitted[base + p:base + p + 1], lanes, idx[base + p:base + p + 1], pos[base + p:base + p + 1], pol)
-            p += e[base + p]
-        base += count
-    v = np.asarray(visited, dtype=np.int64)
+    v = visited_positions(emitted, pos, n[idx], np.cumsum(n)[n > 0] - n[n > 0])
+    bad = v[emitted[v] < 1]
+    if len(bad):  # a trace or policy built around load_traces / Policy.parse: refuse rather than loop
+        _check_emits(emitted[bad[:1]], lanes, idx[bad[:1]], pos[bad[:1]], pol)
     return idx[v], il[v], emitted[v], ran[v], w[v]
+
+
+def visited_positions(step, pos, length, starts) -> np.ndarray:
+    """The flat positions a walk visits: runs of positions laid end to end (pos, each one's index
+    within its run; length, its run's length), each walked from its start (starts: flat indices)
+    by jumps of step[i] (at least 1; a smaller one ends the run's walk there) until it leaves the
+    run. Returned ascending, which is run by run, each in walk order.
+
+    Pointer doubling rather than a Python step per cycle: with F = the jump applied 2^j times and
+    S every run's first 2^j visits, F[S] are the next 2^j; both double each round, so a walk of c
+    visits takes log2(c) rounds of array operations, and runs whose walk has ended drop out."""
+    end = len(step)  # the sentinel: past the run (and it stays there)
+    nxt = np.where((step >= 1) & (pos + step < length), np.arange(end) + step, end)
+    jump = np.append(nxt, end)
+    seen = [np.asarray(starts, dtype=np.int64)]
+    alive = seen[0][:, None]
+    while len(alive):
+        ahead = jump[alive]
+        done = ahead[:, -1] == end  # a walk ends at the sentinel, so the last of its visits tells
+        seen.append(ahead[ahead != end])
+        alive = np.concatenate([alive[~done], ahead[~done]], axis=1)
+        if len(alive):
+            jump = jump[jump]
+    v = np.concatenate(seen)
+    v.sort()
+    return v
 
 
 def walk_lockstep(pol, st, lanes: Lanes):
