@@ -40,8 +40,8 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
     V(cur, prev) = the seconds from position cur to the end (0 at and past G: prefill is the same
     for every plan). A cycle from cur that emits e lands at cur + e, and e = min(acc_len, k + 1):
     for k + 1 <= acc_len at cur + k + 1, else at cur + acc_len. The values of the next K + 1
-    positions are kept in a window (win[e - 1] = V(cur + e), 0 past a lane's end), so no landing
-    is looked up anywhere else."""
+    positions are kept in a ring of slots (each lane's values 0 past its end), so no landing is
+    looked up anywhere else."""
     W, K, cost = len(pol.methods), pol.k, lanes.cost
     G = lanes.G
     L = len(G)
@@ -60,9 +60,16 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
     ks = np.arange(K + 1)
     il = ks + 1
     drafters = [cost.draft(m) for m in pol.methods]
-    win = np.zeros((K + 1, W, L))  # win[e - 1, w, r]: V(cur + e, previous method w) of the lane ranked r
-    beyond = np.empty((K + 1, W, L), dtype=bool)
-    flat_w_r = np.arange(W)[:, None] * L + np.arange(L)[None, :]  # win's flat index of [0, w, r]
+    # V(cur, previous method): without a switching cost the previous method changes nothing, so one
+    # value per position (Pv = 1) stands for all of them and each position's choice is one argmin.
+    Pv = W if sw else 1
+    # The values of the next K + 1 positions, a ring of slots written twice (slot p % (K + 1) and
+    # that + K + 1), so that those of cur + 1 .. cur + K + 1 are one view starting at
+    # (cur + 1) % (K + 1): no position's values are moved once written. 0 past a lane's end.
+    ring = np.zeros((2 * (K + 1), Pv, L))
+    flat = ring.reshape(-1)
+    plane = Pv * L  # one slot's values
+    lane_of = np.arange(L)[None, :] + (np.arange(W)[:, None] * L if sw else 0)  # [W, L]: ring[0, prev = w, r]
     last_flat = max(lanes.acc.shape[1] - 1, 0)
     hi = top - 1
     while hi >= 1:
@@ -83,23 +90,33 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
             sec[:, :, w] = np.where(lanes.has[A, w][None, None, :] & (ks[None, :, None] > lanes.drafted[w, fi][:, None, :]),
                                     np.inf, s)
         acc = np.moveaxis(lanes.acc[:, fi], 0, 1)  # [positions, W, A]
+        # where each choice lands: k + 1 <= acc_len at cur + k + 1 (ahead[k]), else at cur + acc_len
+        # (ahead[acc_len - 1], read by its flat index in the ring less the slot's)
+        beyond = il[None, :, None, None] > acc[:, None]  # [positions, K + 1, W, A]
+        at_acc_index = (np.minimum(acc, K + 1) - 1) * plane + lane_of[:, :len(A)]  # [positions, W, A]
         for i, cur in enumerate(curs.tolist()):
             n = int(planning[cur])
-            a = acc[i, :, :n]
-            ahead = win[:, :, :n]
-            # V where each choice lands: k + 1 <= acc_len at cur + k + 1, else at cur + acc_len
-            at_acc = win.reshape(-1)[(np.minimum(a, K + 1) - 1) * (W * L) + flat_w_r[:, :n]]  # [W, n]
-            np.greater(il[:, None, None], a[None], out=beyond[:, :, :n])
-            cand = sec[i, :, :, :n] + np.where(beyond[:, :, :n], at_acc, ahead)  # [K + 1, W, n]
-            least = cand.min(0)  # [W, n]
-            k = (cand == least).argmax(0)  # the first k of the least time
-            tot = least[None] + switch[:, :, None]  # [W + 1, W, n]
-            w = tot.argmin(1)  # [W + 1, n]
+            first = (cur + 1) % (K + 1)  # the slot of V(cur + 1)
+            ahead = ring[first:first + K + 1, :, :n]  # [K + 1, Pv, n]: V(cur + 1 .. cur + K + 1)
+            at_acc = flat[at_acc_index[i, :, :n] + first * plane]  # [W, n]
+            cand = sec[i, :, :, :n] + np.where(beyond[i, :, :, :n], at_acc, ahead)  # [K + 1, W, n]
+            k = cand.argmin(0)  # [W, n]: the first k of the least time
+            least = cand.min(0)
             rows = slice(pos_start[cur], pos_start[cur] + n)
-            best_w[rows] = w.T
-            best_k[rows] = k.reshape(-1)[w * n + np.arange(n)].T  # k of the method chosen, per previous
-            win[1:, :, :n] = win[:-1, :, :n].copy()
-            win[0, :, :n] = tot.min(1)[:W]
+            if sw:
+                tot = least[None] + switch[:, :, None]  # [W + 1, W, n]
+                w = tot.argmin(1)  # [W + 1, n]
+                best_w[rows] = w.T
+                best_k[rows] = k.reshape(-1)[w * n + np.arange(n)].T  # k of the method chosen, per previous
+                value = tot.min(1)[:W]
+            else:  # every previous method alike
+                w = least.argmin(0)
+                best_w[rows] = w[:, None]
+                best_k[rows] = k[w, np.arange(n)][:, None]
+                value = least.min(0)
+            slot = cur % (K + 1)
+            ring[slot, :, :n] = value
+            ring[slot + K + 1, :, :n] = value
         hi = lo - 1
     return SimpleNamespace(w=best_w, k=best_k, pos_start=pos_start, rank=rank)
 
