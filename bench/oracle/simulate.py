@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -260,10 +261,13 @@ def simulate_set(traces: list[Trace], pol: Policy, cost: CostModel, batch_sizes,
     P = np.array([t.prompt_len for t in reqs], dtype=np.int64)
     G = np.array([generated_len(t, pol.methods) for t in reqs], dtype=np.int64)
     speedups, parts = [], []
-    for B, trajs in zip(batch_sizes, trajs_by_b):
+    laid_out = None
+    for j, (B, trajs) in enumerate(zip(batch_sizes, trajs_by_b)):
+        if laid_out is None or trajs is not trajs_by_b[j - 1]:  # the same trajectories: laid out once
+            laid_out = _cycles_laid_out(cost, pol, P, trajs)
         # consecutive groups of B; a partial tail batch would mix batch sizes (unless it is the only one)
         rows = len(reqs) if len(reqs) < B else len(reqs) // B * B
-        tok, base_t, spec_t = _set_batches(cost, pol, accounting, P[:rows], G[:rows], trajs[:rows], int(B))
+        tok, base_t, spec_t = _set_batches(cost, pol, accounting, P, G, laid_out, rows, int(B))
         speedups.append((tok / spec_t) / (tok / base_t))
         parts.append((base_t, spec_t))  # the same tokens in both: speedup = base_t / spec_t
     return _result(batch_sizes, speedups, parts, trajs_by_b[0] if trajs_by_b else [], len(reqs),
@@ -276,52 +280,81 @@ def _group_sums(values: np.ndarray, lengths: np.ndarray) -> list[float]:
     return [float(values[e - n:e].sum()) for e, n in zip(ends.tolist(), lengths.tolist())]
 
 
-def _set_batches(cost: CostModel, pol: Policy, accounting: str, P, G, trajs, B: int):
-    """Tokens and the baseline's and policy's seconds over batches of B consecutive rows (the last
-    may be short): in a step every active row's cycle is verified in one forward, which waits for
-    the slowest row's drafting; rows leave when they finish. All batches at once: each row's
-    cycles are laid out at (batch, step) and the forwards' tokens summed per step."""
+def _cycles_laid_out(cost: CostModel, pol: Policy, P, trajs):
+    """The cycles of trajs (one per sampled request) as flat arrays, row after row, with each
+    cycle's KV (the row's prompt + 1 + the tokens it emitted before the cycle): what _set_batches
+    reads for any batch size, cut to the rows it batches (a prefix)."""
+    cycles = np.array([len(t.emitted) for t in trajs], dtype=np.int64)
+    emitted = np.concatenate([t.emitted for t in trajs] + [np.zeros(0, dtype=np.int64)])
+    row_emitted = np.array([t.emitted.sum() for t in trajs], dtype=np.int64)
+    # tokens emitted before each cycle in its own row: before it over all rows, less the rows before
+    before = np.cumsum(emitted) - emitted - np.repeat(np.cumsum(row_emitted) - row_emitted, cycles)
+    missed = None
+    if _charges_catch_up(cost, pol):
+        missed = np.concatenate([missed_tokens(t.emitted, t.ran, int(p)) for t, p in zip(trajs, P)]
+                                + [np.zeros((0, len(pol.methods)))])
+    return SimpleNamespace(
+        cycles=cycles, ends=np.cumsum(cycles), emitted=emitted, missed=missed,
+        il=np.concatenate([t.input_len for t in trajs] + [np.zeros(0, dtype=np.int64)]),
+        ran=np.concatenate([t.ran for t in trajs] + [np.zeros((0, len(pol.methods)), dtype=bool)]),
+        win=np.concatenate([t.winner for t in trajs] + [np.zeros(0, dtype=np.int64)]),
+        row_kv=np.repeat(P + 1, cycles) + before)
+
+
+def _batch_steps(group, n_groups: int, length_per_row):
+    """Each row's steps 0 .. length - 1 at its batch's steps (a batch as long as its longest row):
+    (flat step index of every row step, step of it within the row, steps per batch)."""
+    steps = np.zeros(n_groups, dtype=np.int64)
+    np.maximum.at(steps, group, length_per_row)
+    first = np.cumsum(steps) - steps
+    within = positions_within(length_per_row)
+    return np.repeat(first[group], length_per_row) + within, within, steps
+
+
+# The baseline of a set of batches (its prefills, tokens and decode seconds per batch) is the same
+# for every policy replayed over the same requests: kept for the policies after the first, keyed
+# by the cost model's fields, the rows' prompt and generation lengths, and the batch size.
+_BASELINES: dict = {}
+
+
+def _baseline_batches(cost: CostModel, P, G, B: int):
+    key = (repr(cost), P.tobytes(), G.tobytes(), B)
+    if key in _BASELINES:
+        return _BASELINES[key]
     n_rows = len(P)
     group = np.arange(n_rows) // B
     n_groups = int(group[-1]) + 1 if n_rows else 0
     pre = [cost.prefill(float(p)) + cost.overhead_per_step for p in np.bincount(group, weights=P, minlength=n_groups)]
     tok = [float(g) for g in np.bincount(group, weights=G, minlength=n_groups)]
-
-    def per_step(length_per_row):
-        """Each row's steps 0 .. length - 1 at its batch's steps (a batch as long as its longest row):
-        (flat step index of every row step, step of it within the row, steps per batch)."""
-        steps = np.zeros(n_groups, dtype=np.int64)
-        np.maximum.at(steps, group, length_per_row)
-        first = np.cumsum(steps) - steps
-        within = positions_within(length_per_row)
-        return np.repeat(first[group], length_per_row) + within, within, steps
-
-    # baseline: step s decodes the rows with G - 1 > s, each at KV P + 1 + s
-    at, s, steps = per_step(np.maximum(G - 1, 0))
+    # step s decodes the rows with G - 1 > s, each at KV P + 1 + s
+    at, s, steps = _batch_steps(group, n_groups, np.maximum(G - 1, 0))
     n = int(steps.sum())
     kv = np.bincount(at, weights=np.repeat(P + 1, np.maximum(G - 1, 0)) + s, minlength=n)
     active = np.bincount(at, minlength=n)
     base = _group_sums(cost.verify(kv, active) + cost.overhead_per_step, steps)
+    if len(_BASELINES) >= 64:  # a long session over many files: keep the memory bounded
+        _BASELINES.clear()
+    _BASELINES[key] = group, n_groups, pre, tok, base
+    return _BASELINES[key]
+
+
+def _set_batches(cost: CostModel, pol: Policy, accounting: str, P, G, laid_out, rows: int, B: int):
+    """Tokens and the baseline's and policy's seconds over batches of B consecutive rows of the
+    first `rows` (the last batch may be short): in a step every active row's cycle is verified in
+    one forward, which waits for the slowest row's drafting; rows leave when they finish. All
+    batches at once: each row's cycles (laid_out: _cycles_laid_out) are laid out at (batch, step)
+    and the forwards' tokens summed per step."""
+    group, n_groups, pre, tok, base = _baseline_batches(cost, P[:rows], G[:rows], B)
     # speculative: cycle c of a row verifies il[c] tokens at KV P + 1 + the tokens emitted before it
-    cycles = np.array([len(t.emitted) for t in trajs], dtype=np.int64)
-    at, c, steps = per_step(cycles)
+    cut = int(laid_out.ends[rows - 1]) if rows else 0
+    at, c, steps = _batch_steps(group, n_groups, laid_out.cycles[:rows])
     n = int(steps.sum())
-    il = np.concatenate([t.input_len for t in trajs] + [np.zeros(0, dtype=np.int64)])
-    emitted = np.concatenate([t.emitted for t in trajs] + [np.zeros(0, dtype=np.int64)])
-    ran = np.concatenate([t.ran for t in trajs] + [np.zeros((0, len(pol.methods)), dtype=bool)])
-    win = np.concatenate([t.winner for t in trajs] + [np.zeros(0, dtype=np.int64)])
-    row_emitted = np.array([t.emitted.sum() for t in trajs], dtype=np.int64)
-    # tokens emitted before each cycle in its own row: before it over all rows, less the rows before
-    before = np.cumsum(emitted) - emitted - np.repeat(np.cumsum(row_emitted) - row_emitted, cycles)
-    row_kv = np.repeat(P + 1, cycles) + before
+    il, win, row_kv = laid_out.il[:cut], laid_out.win[:cut], laid_out.row_kv[:cut]
     verify = cost.verify(np.bincount(at, weights=row_kv, minlength=n), np.bincount(at, weights=il, minlength=n))
     draft = np.zeros(n)
-    missed = None
-    if _charges_catch_up(cost, pol):
-        missed = np.concatenate([missed_tokens(t.emitted, t.ran, int(p)) for t, p in zip(trajs, P)]
-                                + [np.zeros((0, len(pol.methods)))])
-    np.maximum.at(draft, at, pol.draft_time(cost, accounting, ran, verify[at], row_kv.astype(np.float64),
-                                             il.astype(np.float64), missed))
+    missed = None if laid_out.missed is None else laid_out.missed[:cut]
+    np.maximum.at(draft, at, pol.draft_time(cost, accounting, laid_out.ran[:cut], verify[at],
+                                             row_kv.astype(np.float64), il.astype(np.float64), missed))
     step = verify + draft + cost.overhead_per_step
     if pol.charges_switching(accounting):  # a step where any row's drafter changed from its last cycle
         switched = np.zeros(n, dtype=bool)
