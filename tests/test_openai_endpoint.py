@@ -88,7 +88,7 @@ def test_a_sweep_of_load_points_against_running_llama_servers(llama_servers, tmp
                                                f"backend.url={spec_url}", f"backend.baseline_url={base_url}", "method=ngram",
                                                "workload=code_edit", "load=concurrency", f"load.level={level}",
                                                "load.num_requests=4", "max_new_tokens=16", "repeats=1", "warmup=false",
-                                               "report=false"])
+                                               "report=false", "slo.ttft_ms=3600000", "slo.tpot_ms=3600000"])
         return run_job(cfg)
 
     row = job(2)
@@ -96,7 +96,9 @@ def test_a_sweep_of_load_points_against_running_llama_servers(llama_servers, tmp
     c = row["engine_counters"]  # from llama-server's /metrics, around each load run
     assert c["drafts"] > 0 and 0 < c["accepted_tokens"] <= c["draft_tokens"] and len(c["accepted_per_position"]) == 4
     assert row["engine"]["protocol"] == "llama_completion" and row["engine"]["slots"] == 2
-    assert row["ttft_source"] == "client" and row["tpot_speedup"] > 0 and row["goodput_rps"] > 0
+    assert row["ttft_source"] == "client" and row["tpot_speedup"] > 0
+    # SLOs no request can miss (above): every request counts, whatever this machine's speed
+    assert row["goodput_rps"] == row["request_throughput"] > 0
     req = pd.read_parquet(next(p for p in tmp_path.rglob("requests.parquet") if "-c2-" in str(p)))
     assert set(req.run) == {"baseline", "spec"} and (req.submitted_s >= 0).all()
     # more requests at once than the running server has slots: refused, recorded, the sweep goes on
