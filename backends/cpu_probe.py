@@ -91,6 +91,17 @@ def killed_by_signal(returncode: int | None) -> bool:
     return returncode is not None and returncode < 0
 
 
+def repack_forced_hint(mode: str, returncode: int | None, setting: str = "backend.repack") -> str:
+    """What to add to an engine's death by a signal where the user forced repacking on: the likely
+    cause, and the settings that keep it only where it works ("" where it was not forced or the
+    engine did not die by a signal)."""
+    if mode != "on" or not killed_by_signal(returncode):
+        return ""
+    return (f"\n{setting}=on forced llama.cpp's weight repacking, which kills the engine on some CPUs (on an "
+            "AVX-512/AMX Xeon: SIGSEGV in llama-cpp-python's first decode, SIGILL as llama-server starts); "
+            f"{setting}=auto tries it once on this CPU and turns it off where it dies, {setting}=off never uses it")
+
+
 class Inconclusive(Exception):
     """A probe that failed for a reason other than the path under test (a model that does not load,
     a missing file): no verdict is cached, and the caller keeps the safe choice for this run."""

@@ -95,8 +95,10 @@ def wait_healthy(server, url: str, timeout_s: float, name: str, exited_error=Bac
         if server.proc.poll() is not None:
             tail = server.log_tail(25)
             server.stop()
-            raise exited_error(f"{name} {describe_exit(server.proc.returncode)} before it was ready ({url}); log "
+            err = exited_error(f"{name} {describe_exit(server.proc.returncode)} before it was ready ({url}); log "
                                f"{server.log_path} ends with:\n{tail}")
+            err.returncode = server.proc.returncode  # exited_error may be a ValueError: set, not passed
+            raise err
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
@@ -267,7 +269,8 @@ class Worker(EngineProcess):
     def call(self, req: dict, timeout_s: float | None = None) -> dict:
         if self.proc.poll() is not None:
             raise BackendError(f"the {self.engine} worker {describe_exit(self.proc.returncode)} before "
-                               f"{req['op']!r} (log: {self.log_path}); its log ends with:\n{self.log_tail()}")
+                               f"{req['op']!r} (log: {self.log_path}); its log ends with:\n{self.log_tail()}",
+                               self.proc.returncode)
         self.busy = True
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
@@ -287,7 +290,7 @@ class Worker(EngineProcess):
                     else describe_exit(code))
             self.stop()
             raise (EngineTimeout if code is None else BackendError)(f"the {self.engine} worker {what} during {req['op']!r} (log: {self.log_path}); its log "
-                               f"ends with:\n{self.log_tail()}")
+                               f"ends with:\n{self.log_tail()}", code)
         got = json.loads(line)
         if not got.get("ok"):
             if got.get("kind") == "init":

@@ -156,7 +156,12 @@ class SettingError(ValueError):
 
 
 class BackendError(RuntimeError):
-    """An engine failed on a request: the job is recorded with status=error."""
+    """An engine failed on a request: the job is recorded with status=error. returncode: how the
+    engine's process ended, where it did (negative: killed by that signal); None otherwise."""
+
+    def __init__(self, message: str, returncode: int | None = None):
+        super().__init__(message)
+        self.returncode = returncode
 
 
 class EngineTimeout(BackendError):

@@ -73,3 +73,12 @@ def test_forced_settings_are_not_probed_and_bad_ones_are_named():
     assert not off.usable and "backend.repack=off" in off.reason
     with pytest.raises(ValueError, match=r"backend.repack='maybe' is not valid; use auto .*, on or off"):
         decide("maybe", "backend.repack", "x", {}, never)
+
+
+def test_a_forced_repack_is_blamed_only_for_a_death_by_signal():
+    from backends.cpu_probe import repack_forced_hint
+
+    hint = repack_forced_hint("on", -11)
+    assert "backend.repack=on forced" in hint and "backend.repack=auto" in hint and "backend.repack=off" in hint
+    assert repack_forced_hint("auto", -11) == repack_forced_hint("off", -4) == ""  # not forced on
+    assert repack_forced_hint("on", 1) == repack_forced_hint("on", None) == ""  # an ordinary exit, or none

@@ -12,7 +12,7 @@ import pytest
 
 from backends.llamacpp import LlamaCppBackend
 from bench import metrics
-from bench.backend import Sampling
+from bench.backend import BackendError, Sampling
 from workloads import load_prompts
 
 
@@ -106,21 +106,33 @@ def _worker_pids():
 @pytest.mark.slow
 @pytest.mark.parametrize("repack", ["off", "on"])
 def test_forced_repack_setting_reaches_the_engine_and_the_row(repack, code_edit_prompts, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path))  # a forced setting must not probe: no verdict written
+    import backends.llamacpp as adapter
+
+    works_here = True
+    if repack == "on":  # the real probe, in a cache of its own: on a CPU where repacking dies, forcing it must
+        monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path / "probe"))  # fail clearly (it did on an AMX Xeon)
+        works_here = adapter.repack_verdict("auto", adapter.resolve_gguf("gemma3-270m"), 2).usable
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path / "job"))  # a forced setting must not probe: no verdict written
     b = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, num_speculative_tokens=3, repack=repack)
     try:
-        out = b.generate([b.tokenize(code_edit_prompts[0])], Sampling(), 8, speculative=True)
-        assert len(out.requests[0].output_token_ids) == 8
-        assert b.use_extra_bufts is (repack == "on")  # what llama.cpp's loader was given, read back in the worker
-        d = b.describe()
-        assert d["repack"] == repack and f"backend.repack={repack}" in d["repack_reason"]
-        buffers = d["weight_buffers_mib"]  # as llama.cpp's load logged them
-        assert buffers and sum(buffers.values()) > 200  # the 235 MiB of Gemma's weights, in whatever layout
-        if repack == "off":
-            assert not any("REPACK" in name or "AMX" in name for name in buffers), buffers
+        if works_here:
+            out = b.generate([b.tokenize(code_edit_prompts[0])], Sampling(), 8, speculative=True)
+            assert len(out.requests[0].output_token_ids) == 8
+            assert b.use_extra_bufts is (repack == "on")  # what llama.cpp's loader was given, read back in the worker
+            d = b.describe()
+            assert d["repack"] == repack and f"backend.repack={repack}" in d["repack_reason"]
+            buffers = d["weight_buffers_mib"]  # as llama.cpp's load logged them
+            assert buffers and sum(buffers.values()) > 200  # the 235 MiB of Gemma's weights, in whatever layout
+            if repack == "off":
+                assert not any("REPACK" in name or "AMX" in name for name in buffers), buffers
+        else:
+            with pytest.raises(BackendError, match=r"(?s)killed by SIG.*backend\.repack=on forced llama\.cpp's weight "
+                                                   r"repacking.*backend\.repack=auto tries it once on this CPU"):
+                b.generate([b.tokenize(code_edit_prompts[0])], Sampling(), 8, speculative=True)
+            assert b.describe()["repack"] == "on"  # the row says what was forced
     finally:
         b.close()
-    assert not (tmp_path / "probes").exists()
+    assert not (tmp_path / "job" / "probes").exists()
 
 
 @pytest.mark.slow

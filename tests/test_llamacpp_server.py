@@ -185,6 +185,18 @@ def test_repack_probe_names_a_crash_and_calls_an_ordinary_failure_inconclusive(t
         try_repack(str(fail), "model.gguf", 2, tmp_path / "fail.log", timeout_s=30)
     with pytest.raises(ValueError, match="backend.repack='sometimes' is not valid"):
         LlamaServerBackend({"path": "gemma3-270m"}, {"name": "ngram"}, repack="sometimes")
+    # the same death of a job's own server: with repacking forced on, its error names that setting and
+    # what to pass instead; with it forced off, repacking is not blamed
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    for repack, blamed in (("on", True), ("off", False)):
+        b = LlamaServerBackend({"path": str(model)}, {"name": "ngram"}, binary=str(crash), repack=repack,
+                               startup_timeout_s=30)
+        b.set_artifact_dir(tmp_path / repack)
+        with pytest.raises(BackendError, match="was killed by SIGILL") as got:
+            b.generate([[1, 2, 3]], Sampling(), 4, speculative=True)
+        assert ("backend.repack=on forced llama.cpp's weight repacking" in str(got.value)) is blamed
+        assert got.value.returncode == -4
 
 
 @pytest.mark.slow
