@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.backend import (Backend, BackendConfig, BackendError, BatchOutput, LoadPlan, RequestOutput, Sampling, SettingError,
-                           SpecCounters, check_positive_seconds, checked_settings)
+from bench.backend import (Backend, BackendConfig, BackendError, BatchOutput, LoadPlan, RequestOutput, Sampling,
+                           SettingError, SpecCounters, check_positive_seconds, checked_settings)
 
 from bench.methods import specsweep_overrides
 
@@ -201,7 +201,7 @@ class LlamaCppBackend(Backend):
             hint = repack_forced_hint(self.cfg.repack, e.returncode)
             if not hint:
                 raise
-            raise type(e)(f"{e}{hint}", e.returncode) from e
+            raise BackendError(f"{e}{hint}", e.returncode) from e
 
     # ------------------------------------------------------------------ interface
 
