@@ -45,7 +45,7 @@ from bench.methods import synthetic_rates
 from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_forced_hint,
                         repack_mode)
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
-from .processes import Pool, ServerProcess, die_with_parent, free_port, stop
+from .processes import Pool, ServerProcess, free_port, killed_with_parent, stop
 from .serving import (LLAMA_SERVER_COUNTERS, counter_delta, detokenize, post_json, read_counters, serve_load,
                       spec_counters, tokenize)
 
@@ -119,7 +119,7 @@ def try_repack(binary: str, model: str, threads: int, log: Path, timeout_s: floa
     with open(log, "wb") as out:
         out.write(("$ " + " ".join(cmd) + "\n").encode())
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=killed_with_parent)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -156,7 +156,8 @@ class LlamaServer(ServerProcess):
         self.slots = slots
         # a model it cannot load is an engine failure of the job (BackendError), not a refused setting
         super().__init__(lambda port: server_command(binary, model, flags, slots, ctx_per_slot, threads, port), log,
-                         timeout_s, "llama-server", port=port, exited_error=BackendError, poll_s=0.2)
+                         timeout_s, "llama-server", port=port, exited_error=BackendError, poll_s=0.2,
+                         preexec_fn=killed_with_parent)
         lines = self.log_path.read_text(errors="replace").splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith("$ ")]  # the log is appended per start
         self.weight_buffers = weight_buffers(lines[starts[-1] if starts else 0:])

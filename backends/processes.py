@@ -21,12 +21,21 @@ from .cpu_probe import describe_exit
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def die_with_parent():
-    """preexec_fn: on Linux the child gets SIGTERM when its parent dies, even by SIGKILL."""
+def die_with_parent(sig: int = signal.SIGTERM):
+    """preexec_fn: on Linux the child gets sig (SIGTERM: it may end what it started) when its
+    parent dies, even by SIGKILL."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def killed_with_parent():
+    """preexec_fn for a server with nothing of its own to end (llama-server): SIGKILL when its parent
+    dies. Its SIGTERM handler exits from within the handler on a second signal ("Received second
+    interrupt, terminating immediately"), and one such exit hung: a server the sweep had begun to
+    stop, signalled again as the sweep died, outlived it (a Ctrl-C test on an AMX Xeon)."""
+    die_with_parent(signal.SIGKILL)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 10.0):
@@ -153,19 +162,28 @@ class Pool:
 
     @classmethod
     def discard(cls, engine):
-        """Stop one engine (an adapter closing what it started) and forget it."""
+        """Stop one engine (an adapter closing what it started) and forget it: forgotten once it has
+        stopped, so that a stop cut short (Ctrl-C) leaves it to stop_all at exit."""
+        engine.stop()
         with cls.lock:
             for key, e in list(cls.live.items()):
                 if e is engine:
                     del cls.live[key]
-        engine.stop()
 
     @classmethod
     def stop_all(cls):
+        """Every engine stopped, each even where stopping one before it failed (the first such
+        error is raised after the rest are stopped)."""
+        errors = []
         with cls.lock:
-            for e in cls.live.values():
-                e.stop()
-            cls.live.clear()
+            while cls.live:
+                engine = cls.live.pop(next(iter(cls.live)))
+                try:
+                    engine.stop()
+                except Exception as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class EngineProcess:
@@ -215,7 +233,7 @@ class ServerProcess(EngineProcess):
     engine refused its configuration, by default) with its log's tail."""
 
     def __init__(self, command, log: Path, timeout_s: float, engine: str, extra_env=None, port: int | None = None,
-                 exited_error=ValueError, poll_s: float = 0.5):
+                 exited_error=ValueError, poll_s: float = 0.5, preexec_fn=die_with_parent):
         """command(port) -> the argument list that starts the server on that port."""
         self.engine = engine  # its name in messages
         self.port = port or free_port()
@@ -223,8 +241,13 @@ class ServerProcess(EngineProcess):
         self.cmd = command(self.port)
         env = self._open_logs(log, "$ " + " ".join(self.cmd), extra_env)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-        wait_healthy(self, self.url + "/health", timeout_s, engine, exited_error=exited_error, poll_s=poll_s)
+                                     start_new_session=True, preexec_fn=preexec_fn)
+        try:
+            wait_healthy(self, self.url + "/health", timeout_s, engine, exited_error=exited_error, poll_s=poll_s)
+        except BaseException:  # Ctrl-C while it starts: no pool holds it yet, so it is stopped here
+            if self.proc.poll() is None:
+                self.stop()
+            raise
 
     def metrics_page(self, timeout_s: float = 30.0) -> str:
         import httpx
@@ -263,7 +286,12 @@ class Worker(EngineProcess):
         os.close(w)
         self._answers = os.fdopen(r, "r")
         self.timeout_s = timeout_s
-        got = self.init_answer = self.call({"op": "init", "llm": init_args}, timeout_s)
+        try:
+            got = self.init_answer = self.call({"op": "init", "llm": init_args}, timeout_s)
+        except BaseException:  # Ctrl-C while the engine starts: no pool holds it yet, so it is stopped here
+            if self.proc.poll() is None:
+                self.stop()
+            raise
         self.version, self.start_s = got["version"], got["start_s"]
 
     def call(self, req: dict, timeout_s: float | None = None) -> dict:

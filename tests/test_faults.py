@@ -442,3 +442,40 @@ def test_a_server_that_stops_answering_is_a_timeout_not_a_hang(tmp_path):
     assert "gave no answer in time" in row["error"] and time.time() - t0 < 120
     time.sleep(1)
     assert not servers()
+
+
+class _Interrupted(BaseException):
+    """Stands in for KeyboardInterrupt (which pytest itself would act on)."""
+
+
+def test_an_engine_whose_start_is_interrupted_is_stopped_and_an_interrupted_stop_is_left_to_stop_all(
+        tmp_path, monkeypatch):
+    """Ctrl-C while a server starts (it is in no pool yet) or while the pool stops one: neither
+    outlives the sweep. Real child processes (`sleep`) stand in for the servers."""
+    import backends.processes as processes
+
+    def interrupted(*args, **kwargs):
+        raise _Interrupted()
+
+    monkeypatch.setattr(processes, "wait_healthy", interrupted)
+    with pytest.raises(_Interrupted):
+        processes.ServerProcess(lambda port: ["sleep", "300"], tmp_path / "s.log", 30, "stand-in")
+    started = subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True, text=True).stdout.split()
+    assert not started, f"the server whose start was interrupted still runs: {started}"
+
+    class Engine:  # stops only on the second try, as a stop cut short by Ctrl-C and then retried at exit
+        def __init__(self):
+            self.tries = 0
+
+        def stop(self):
+            self.tries += 1
+            if self.tries == 1:
+                raise _Interrupted()
+
+    engine = Engine()
+    processes.Pool.live["stand-in"] = engine
+    with pytest.raises(_Interrupted):
+        processes.Pool.discard(engine)
+    assert processes.Pool.live.get("stand-in") is engine  # still held: the exit handler stops it
+    processes.Pool.stop_all()
+    assert engine.tries == 2 and "stand-in" not in processes.Pool.live
