@@ -19,9 +19,12 @@ import platform
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from bench.backend import BackendError
 
 PROBE_VERSION = "1"  # bump when what a probe tries changes: older verdicts are then ignored
 MODES = ("auto", "on", "off")
@@ -100,6 +103,19 @@ def repack_forced_hint(mode: str, returncode: int | None, setting: str = "backen
     return (f"\n{setting}=on forced llama.cpp's weight repacking, which kills the engine on some CPUs (on an "
             "AVX-512/AMX Xeon: SIGSEGV in llama-cpp-python's first decode, SIGILL as llama-server starts); "
             f"{setting}=auto tries it once on this CPU and turns it off where it dies, {setting}=off never uses it")
+
+
+@contextmanager
+def forced_repack_blamed(mode: str):
+    """Around an engine's start or request: an engine death by a signal under a forced repack=on is
+    raised again with repack_forced_hint added (the same BackendError otherwise)."""
+    try:
+        yield
+    except BackendError as e:
+        hint = repack_forced_hint(mode, e.returncode)
+        if not hint:
+            raise
+        raise BackendError(f"{e}{hint}", e.returncode) from e
 
 
 class Inconclusive(Exception):

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.backend import (Backend, BackendConfig, BackendError, BatchOutput, LoadPlan, RequestOutput, Sampling,
-                           SettingError, SpecCounters, check_positive_seconds, checked_settings)
+from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput, Sampling, SettingError,
+                           SpecCounters, check_positive_seconds, checked_settings)
 
 from bench.methods import specsweep_overrides
 
-from .cpu_probe import decide, file_identity, repack_forced_hint, repack_mode, run_child
+from .cpu_probe import decide, file_identity, forced_repack_blamed, repack_mode, run_child
 from .processes import Worker
 
 METHODS = ("autoregressive", "ngram", "draft_model", "prompt_lookup_lib")
@@ -187,7 +187,7 @@ class LlamaCppBackend(Backend):
         return gguf_tensor_bytes(self.path)
 
     def _call(self, req: dict, timeout_s: float | None = None) -> dict:
-        try:
+        with forced_repack_blamed(self.cfg.repack):
             if self.worker is None:
                 init = {"path": self.path, "draft_path": self.draft_path, "method": self.method, "k": self.k,
                         "threads": self.threads, "n_ctx": self.cfg.n_ctx, "max_rows": self.cfg.max_rows,
@@ -197,11 +197,6 @@ class LlamaCppBackend(Backend):
                 self.use_extra_bufts = self.worker.init_answer["use_extra_bufts"]
                 self.weight_buffers = self.worker.init_answer["weight_buffers"]
             return self.worker.call(req, timeout_s)
-        except BackendError as e:
-            hint = repack_forced_hint(self.cfg.repack, e.returncode)
-            if not hint:
-                raise
-            raise BackendError(f"{e}{hint}", e.returncode) from e
 
     # ------------------------------------------------------------------ interface
 

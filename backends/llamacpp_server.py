@@ -42,7 +42,7 @@ from bench.backend import (Backend, BackendConfig, BackendError, BatchOutput, En
                            check_positive_seconds, checked_settings)
 from bench.methods import synthetic_rates
 
-from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, killed_by_signal, repack_forced_hint,
+from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, forced_repack_blamed, killed_by_signal,
                         repack_mode)
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, free_port, killed_with_parent, stop
@@ -247,16 +247,11 @@ class LlamaServerBackend(Backend):
         name = "spec" if speculative else "baseline"
         key = json.dumps(["llama-server", self.binary, self.model, self.flags[speculative], self.ctx_per_slot,
                           self.threads, self.port])
-        try:
+        with forced_repack_blamed(self.cfg.repack):
             s = Pool.get(key, lambda: LlamaServer(self.binary, self.model, self.flags[speculative], slots,
                                                   self.ctx_per_slot, self.threads, self.port,
                                                   self.logdir / f"llama-server-{name}.log", self.timeout),
                          reusable=lambda server: server.slots >= slots and not restart)
-        except BackendError as e:
-            hint = repack_forced_hint(self.cfg.repack, e.returncode)
-            if not hint:
-                raise
-            raise BackendError(f"{e}{hint}", e.returncode) from e
         self.servers[speculative] = s
         return s
 
