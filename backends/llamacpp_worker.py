@@ -272,20 +272,20 @@ class Engine:
     def _generate_loop(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,
                        plan: LoadPlan | None) -> BatchOutput:
         """The native engine's loop (a static batch, or the scheduler under a load plan) over this
-        context; speculative=False is the same loop with no drafter, the baseline, whose greedy
-        runs record the top-2 margins the lossless check reads."""
+        context; speculative=False is the same loop with no drafter, the baseline (both arms ask
+        for tokens and times only: margins are asked for after measuring, at divergences)."""
         sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
         gen = torch.Generator().manual_seed(sampling.seed)
         drafter = self.drafter if speculative else None
         self.target.clear()
         if self.draft is not None:
             self.draft.clear()
-        kw = dict(drafter=drafter, eos_ids=self.eos, gen=gen, record_margins=drafter is None and sp.greedy)
+        kw = dict(drafter=drafter, eos_ids=self.eos, gen=gen)
         if plan is None:
             rows, cycles, wall = run_static(self.target_model, prompts, max_new_tokens, sp, **kw)
         else:
             rows, cycles, wall = run_load(self.target_model, prompts, max_new_tokens, sp, plan, **kw)
-        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by,
+        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, finished_by=r.finished_by,
                               submitted_s=r.submitted_s) for r in rows]
         return BatchOutput(reqs, wall, cycles)
 
@@ -352,7 +352,7 @@ class Engine:
                     a += 1
                 cycles.append(dict(cycle=c, row=b, drafted=len(prop), accepted=a, emitted=min(a + 1, len(full) - n_ctx),
                                    kv_len=n_ctx - 1, batch_rows=1, t_draft=np.nan, t_verify=np.nan, t_other=np.nan))
-            reqs.append(RequestOutput(toks, (first or t0) - t_batch, times[-1] if times else 0.0, times, None,
+            reqs.append(RequestOutput(toks, (first or t0) - t_batch, times[-1] if times else 0.0, times,
                                       "eos" if toks and toks[-1] in self.eos else "length"))
         return BatchOutput(reqs, time.perf_counter() - t_batch, cycles if speculative else None,
                            counters={"note": "the library exposes no acceptance counters; counted by wrapping its drafter"}

@@ -21,8 +21,8 @@ from urllib.parse import urlparse
 from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds,
                            checked_settings)
 
-from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, read_counters, serve_load,
-                      spec_counters, tokenize)
+from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, llama_margins_across_shapes,
+                      read_counters, serve_load, spec_counters, tokenize)
 
 PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -143,23 +143,31 @@ class OpenAIEndpointBackend(Backend):
         return self.serve(prompts, sampling, max_new_tokens, speculative, LoadPlan.batch(len(prompts)))
 
     def serve(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, plan: LoadPlan) -> BatchOutput:
+        # The method arm always goes to url, the baseline to baseline_url (an A/A control: two URLs
+        # serving the same model without speculation); counters are read where url speculates.
+        e = self.servers[speculative]
         spec = speculative and self.method.get("speculative", True)
-        e = self.servers[spec]
         if e.slots is not None and plan.kind == "concurrency" and plan.max_rows > e.slots:
             raise SettingError(f"{plan.max_rows} requests at once (load.level or batch_size) is more than the {e.slots} "
                              f"slots of the llama-server at {e.url}: the rest would wait in its queue and the level "
                              f"would not be what was asked; use at most {e.slots}, or start it with -np "
                              f"{plan.max_rows}")
         before = e.counters() if spec else {}
-        top2 = sampling.temperature == 0 and not spec and e.llama
         reqs, wall = serve_load(e.protocol, e.url, prompts, sampling, max_new_tokens, plan, e.timeout,
-                                f"the server at {e.url}", k=self.k if spec else 0, model=e.model,
-                                extra={"n_probs": 2} if top2 else None, client_ttft=True)
+                                f"the server at {e.url}", k=self.k if spec else 0, model=e.model, client_ttft=True)
         sc = None
         if spec and e.counter_names:
             delta = counter_delta(before, e.counters())
             sc = spec_counters(delta, e.counter_names, self.k)
         return BatchOutput(reqs, wall, None, spec_counters=sc)
+
+    def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float] | None:
+        """A llama-server baseline scores the prefix (serving.llama_margins_across_shapes); other
+        servers are not asked (an OpenAI server's logprobs come from its sampler, not one forward)."""
+        b = self.servers[False]
+        if not b.llama:
+            return None
+        return llama_margins_across_shapes(b.url, prefix, preferred, other, shapes, b.timeout, f"the server at {b.url}")
 
     def describe(self) -> dict:
         s, b = self.servers[True], self.servers[False]

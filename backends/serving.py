@@ -46,7 +46,6 @@ class Request:
     timeout_s: float
     k: int = 0  # the draft length of a speculative server (0: a baseline): its per-request counts are read
     model: str | None = None  # the served model's name, where the protocol names it (OpenAI)
-    extra: dict | None = None  # more body fields, protocol-specific (llama-server's n_probs)
     # Under load, TTFT must include the wait in the engine's queue: where the protocol streams no
     # first token, it is derived from the client's e2e less the engine's own generation time.
     client_ttft: bool = False
@@ -62,45 +61,52 @@ async def _check(r, what: str, engine: str):
         raise BackendError(f"{engine} answered {what} with {r.status_code}: {body}")
 
 
+def request_body(protocol: str, q: Request) -> dict:
+    """The JSON body of one request in each protocol: the prompt, the sampling settings and the
+    output length, and nothing that depends on the arm (a request of the baseline and one of the
+    method are the same body; speculation is the server's setting). Nothing beyond the tokens is
+    asked for (no log-probabilities: they cost the engine a sort over the vocabulary per token).
+    llama-server's prompt cache is off, so no request reuses another's prefill."""
+    s = q.sampling
+    top_k = s.top_k if s.top_k > 0 else -1
+    if protocol == "llama_completion":
+        return {"prompt": list(q.prompt), "n_predict": q.max_new_tokens, "temperature": s.temperature,
+                "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed, "return_tokens": True, "cache_prompt": False}
+    if protocol == "openai_stream":
+        return {"model": q.model, "prompt": list(q.prompt), "max_tokens": q.max_new_tokens, "temperature": s.temperature,
+                "top_p": s.top_p, "top_k": top_k, "seed": s.seed, "stream": True, "return_token_ids": True}
+    params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": top_k,
+              "sampling_seed": s.seed}
+    body = {"input_ids": list(q.prompt), "sampling_params": params}
+    return {**body, "stream": True} if protocol == "sglang_stream" else body
+
+
 async def llama_completion(client, q: Request) -> RequestOutput:
     """llama-server's /completion (not streamed): tokens, its own prompt time (timings.prompt_ms,
     no queueing: the engine's TTFT; with client_ttft, e2e less timings.predicted_ms instead, which
-    includes the wait for a slot) and, per request, timings.draft_n / draft_n_accepted. With
-    extra n_probs=2 (greedy baselines), the top-2 log-probability margin of every token."""
-    extra = q.extra or {}
-    body = {"prompt": list(q.prompt), "n_predict": q.max_new_tokens, "temperature": q.sampling.temperature,
-            "top_p": q.sampling.top_p, "top_k": q.sampling.top_k, "seed": q.sampling.seed, "return_tokens": True,
-            "cache_prompt": False, **extra}
-    r = await client.post(q.url + "/completion", json=body, timeout=q.timeout_s)
+    includes the wait for a slot) and, per request, timings.draft_n / draft_n_accepted. The body
+    is the same in both arms (request_body): no probabilities are asked for in a timed run."""
+    r = await client.post(q.url + "/completion", json=request_body("llama_completion", q), timeout=q.timeout_s)
     await _check(r, "/completion", "llama-server")
     d = r.json()
     e2e = time.perf_counter() - q.t0
     t = d.get("timings", {})
-    margins = None
-    if extra.get("n_probs"):
-        margins = []
-        for tp in d.get("completion_probabilities", []):
-            lp = sorted((c["logprob"] for c in tp.get("top_logprobs", [])), reverse=True)
-            margins.append(lp[0] - lp[1] if len(lp) > 1 else float("inf"))
     prompt_ms, predicted_ms = t.get("prompt_ms"), t.get("predicted_ms")
     if q.client_ttft:  # submitted -> first token = e2e - the time the server spent generating after it
         ttft = max(0.0, e2e - predicted_ms / 1e3) if predicted_ms is not None else None
     else:
         ttft = prompt_ms / 1e3 if prompt_ms is not None else None
     spec = q.k > 0
-    return RequestOutput(d["tokens"], ttft, e2e, [e2e], margins,
-                         _finished_by(d.get("stop_type")), t.get("draft_n", 0) if spec else None,
-                         t.get("draft_n_accepted", 0) if spec else None)
+    return RequestOutput(d["tokens"], ttft, e2e, [e2e], finished_by=_finished_by(d.get("stop_type")),
+                         drafted=t.get("draft_n", 0) if spec else None,
+                         accepted=t.get("draft_n_accepted", 0) if spec else None)
 
 
 async def openai_stream(client, q: Request) -> RequestOutput:
     """/v1/completions, streamed, with return_token_ids (vLLM): every chunk stamped on arrival."""
-    s = q.sampling
-    body = {"model": q.model, "prompt": list(q.prompt), "max_tokens": q.max_new_tokens, "temperature": s.temperature,
-            "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1, "seed": s.seed, "stream": True,
-            "return_token_ids": True, **(q.extra or {})}
     ids, times, finish = [], [], None
-    async with client.stream("POST", q.url + "/v1/completions", json=body, timeout=q.timeout_s) as r:
+    async with client.stream("POST", q.url + "/v1/completions", json=request_body("openai_stream", q),
+                             timeout=q.timeout_s) as r:
         await _check(r, "/v1/completions", "the OpenAI-compatible server")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -143,16 +149,9 @@ def sglang_output(d: dict, returned_s: float, k: int | None) -> RequestOutput:
                          accepted=counts.accepted_tokens if counts else None, spec_counters=counts)
 
 
-def _sglang_body(q: Request) -> dict:
-    s = q.sampling
-    params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-              "top_k": s.top_k if s.top_k > 0 else -1, "sampling_seed": s.seed}
-    return {"input_ids": list(q.prompt), "sampling_params": params}
-
-
 async def sglang_generate(client, q: Request) -> RequestOutput:
     """SGLang's native /generate with input_ids (not streamed)."""
-    r = await client.post(q.url + "/generate", json=_sglang_body(q), timeout=q.timeout_s)
+    r = await client.post(q.url + "/generate", json=request_body("sglang_generate", q), timeout=q.timeout_s)
     await _check(r, "/generate", "SGLang's server")
     return sglang_output(r.json(), time.perf_counter() - q.t0, q.k)
 
@@ -165,7 +164,7 @@ async def sglang_stream(client, q: Request) -> RequestOutput:
     Each chunk that brings tokens is stamped on arrival (the first: the client's TTFT); the
     finished chunk's meta_info holds the request's acceptance record. A chunk {"error": ...}, or a
     request SGLang aborted (finish_reason type abort), is a BackendError with its message."""
-    body = {**_sglang_body(q), "stream": True}
+    body = request_body("sglang_stream", q)
     ids, times, meta = [], [], {}
     async with client.stream("POST", q.url + "/generate", json=body, timeout=q.timeout_s) as r:
         await _check(r, "/generate", "SGLang's server")
@@ -267,6 +266,28 @@ def post_json(url: str, path: str, body: dict, engine: str, timeout_s: float = 6
     if r.status_code != 200:
         raise BackendError(f"{engine} answered {path} with {r.status_code}: {r.text[:400]}")
     return r.json()
+
+
+def llama_margins_across_shapes(url: str, prefix: list[int], preferred: int, other: int, shapes: list[int],
+                                timeout_s: float, engine: str = "llama-server") -> list[float]:
+    """Backend.margins_across_shapes on a llama-server (untimed: after the measured runs, only
+    where an output diverged). The prefix is scored in slot 0: for shape n, the prefix less its
+    last n tokens is processed first, afresh (it stays in the slot's cache), then the whole prefix
+    with cache_prompt, so that the last n tokens are one forward; shape 0: the whole prefix
+    afresh. Log-probabilities of the top 20 candidates: NaN where either token is not among them."""
+    def next_logprobs(ids: list[int], cached: bool) -> dict[int, float]:
+        body = {"prompt": ids, "n_predict": 1, "n_probs": 20, "temperature": 0, "cache_prompt": cached, "id_slot": 0}
+        got = post_json(url, "/completion", body, engine, timeout_s)
+        probs = got.get("completion_probabilities") or [{}]
+        return {int(c["id"]): float(c["logprob"]) for c in probs[0].get("top_logprobs", [])}
+
+    margins = []
+    for n in shapes:
+        if 0 < n < len(prefix):  # processed afresh (a cached start of the slot's last request would stay)
+            next_logprobs(prefix[:-n], False)
+        lp = next_logprobs(prefix, n > 0)
+        margins.append(lp[preferred] - lp[other] if preferred in lp and other in lp else float("nan"))
+    return margins
 
 
 def tokenize(url: str, text: str, model: str | None, engine: str) -> list[int]:

@@ -30,7 +30,6 @@ class RequestOutput:
     ttft_s: float | None  # as the adapter's ttft_source says; None where the engine did not report it
     e2e_s: float | None  # since the batch was submitted
     emit_times_s: list[float] = field(default_factory=list)  # when each chunk came out (emit_granularity)
-    top2_margins: list[float] | None = None  # target's top-1 minus top-2 logit per output token
     finished_by: str = "length"
     drafted: int | None = None  # per-request counts, from engines without a per-cycle trace
     accepted: int | None = None

@@ -51,6 +51,9 @@ def print_table(df, title: str = "specsweep") -> None:
         # load points: the level says what ran (batch_size is the rows the engine was given)
         cols = cols[:3] + ["load_label"] + cols[3:] + [c for c in ("tpot_speedup", "goodput_rps", "baseline_goodput_rps")
                                                          if c in df.columns]
+    aa = df.aa_control.fillna(False).astype(bool) if "aa_control" in df.columns else None
+    if aa is not None and aa.any():  # A/A controls: whether each reads 1.0 within its intervals
+        cols.append("aa_verdict")
     for c in cols:
         t.add_column(c, justify="right" if c not in ("backend", "method", "workload", "status", "lossless", "load_label")
                      else "left")
@@ -62,6 +65,8 @@ def print_table(df, title: str = "specsweep") -> None:
             if c == "speedup" and isinstance(v, float) and v == v:
                 lo, hi = r.get("speedup_ci_low"), r.get("speedup_ci_high")
                 cells.append(f"{v:.2f} [{lo:.2f}, {hi:.2f}]" if lo == lo and hi == hi and lo is not None else f"{v:.2f}")
+            elif c == "method" and r.get("aa_control") is True:
+                cells.append(f"{v} (A/A)")
             elif isinstance(v, float):
                 cells.append("-" if v != v else f"{v:.3f}")
             else:

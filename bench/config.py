@@ -60,9 +60,16 @@ class SweepConfig:
     # engine path) is measured once per sweep and reused by every method; each job measures one
     # baseline batch again and records baseline_drift (cheaper for long sweeps, exposed to load).
     baseline: str = "paired"
-    lossless_margin_tol: float = 0.05  # a greedy divergence at a top-2 logit margin below this is a near-tie
+    lossless_margin_tol: float = 0.05  # a greedy divergence where the baseline's decode preferred its token by less than this (log p) is a near-tie
     report: bool = True  # write the report (plots, summary.md) when a sweep ends
     job_timeout_s: float | None = None  # a job running longer is stopped and recorded with status=timeout
+    # The A/A control: the job's method arm runs the same engine without speculation, through the
+    # same code path as any method arm (paired, interleaved, the same requests and outputs asked
+    # for), so its speedup, tpot_speedup and goodput_ratio must read 1.0 within their intervals;
+    # the row says whether they do (aa_verdict). With a method that does not speculate
+    # (method=autoregressive); on backend=openai_endpoint, url and baseline_url are then two
+    # servers of the same model, neither speculating.
+    aa_control: bool = False
 
 
 def register_configs() -> None:
@@ -95,6 +102,22 @@ def unknown_key_problems(cfg) -> list[str]:
                 near = difflib.get_close_matches(str(key), valid, n=1)
                 out.append(f"{where}{key} is not a setting{f' (did you mean {where}{near[0]}?)' if near else ''}; "
                            f"valid: {', '.join(where + v for v in valid)}")
+    return out
+
+
+def aa_control_problems(cfg, static: bool) -> list[str]:
+    """An A/A control measures the engine against itself: no speculation in the method arm, and as
+    many pairs with the baseline first as with the method first (a load run is one pair per
+    repeat; a static job one per batch and repeat), so that an order effect cancels by design."""
+    out = []
+    if cfg.method.get("speculative", True):
+        out.append(f"aa_control=true with method={cfg.method.get('name')}, which speculates: an A/A control runs "
+                   "both arms without speculation; use a method with speculative: false (method=autoregressive)")
+    batches = 1 if not static else -(-cfg.num_prompts // max(cfg.batch_size, 1))
+    if (batches * cfg.repeats) % 2:
+        out.append(f"aa_control=true with repeats={cfg.repeats} gives {batches * cfg.repeats} pair(s) "
+                   f"({batches} per repeat): an odd count lets one arm go first more often; use an even repeats "
+                   f"(e.g. repeats={cfg.repeats + 1})")
     return out
 
 
@@ -141,6 +164,8 @@ def validate(cfg) -> None:
                         f"the {cfg.num_prompts} prompts there are; use batch_size <= num_prompts or more prompts")
     if cfg.get("job_timeout_s") is not None and cfg.job_timeout_s <= 0:
         problems.append(f"job_timeout_s={cfg.job_timeout_s}: use a positive number of seconds or null (no limit)")
+    if cfg.get("aa_control"):
+        problems += aa_control_problems(cfg, static)
     if cfg.baseline not in ("shared", "paired"):
         problems.append(f"baseline={cfg.baseline!r}: use shared or paired")
     if not cfg.sweep_name or "/" in cfg.sweep_name:

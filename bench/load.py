@@ -112,14 +112,40 @@ def tpot_speedup(base_req: pd.DataFrame, spec_req: pd.DataFrame) -> dict:
     the same arrivals), tpot_speedup their median and _low/_high their range, so the point always
     lies within its bracket. (A ratio of medians pooled over repeats, as before, could fall
     outside the repeats' own ratios: 1.88 against [2.12, 2.15] in one measured run.)"""
-    ratios = [float(base_req[base_req.repeat == r].tpot_s.median() / spec_req[spec_req.repeat == r].tpot_s.median())
-              for r in sorted(set(spec_req.repeat) & set(base_req.repeat))]
-    ratios = [x for x in ratios if x == x]
+    ratios = list(repeat_tpot_ratios(base_req, spec_req).values())
     if not ratios:
         return {"tpot_speedup": math.nan, "tpot_speedup_low": math.nan, "tpot_speedup_high": math.nan,
                 "tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
     return {"tpot_speedup": float(np.median(ratios)), "tpot_speedup_low": min(ratios), "tpot_speedup_high": max(ratios),
             **tpot_speedup_interval(base_req, spec_req)}
+
+
+def repeat_tpot_ratios(base_req: pd.DataFrame, spec_req: pd.DataFrame) -> dict:
+    """Each repeat's own baseline p50 TPOT / method p50 TPOT (NaN ones left out)."""
+    out = {}
+    for r in sorted(set(spec_req.repeat) & set(base_req.repeat)):
+        x = float(base_req[base_req.repeat == r].tpot_s.median() / spec_req[spec_req.repeat == r].tpot_s.median())
+        if x == x:
+            out[r] = x
+    return out
+
+
+def ratios_by_order(base_req: pd.DataFrame, spec_req: pd.DataFrame, base_goodput: dict, spec_goodput: dict,
+                    first: dict) -> dict:
+    """The repeats' own ratios, TPOT's and goodput's (method over baseline), as a range
+    (goodput_ratio_low/_high) and split by which arm ran first in the repeat (`first`: repeat ->
+    "baseline" or "method"): the median of each order's ratios, so an order effect (the second arm
+    of a pair running on a warmer or a busier machine) shows as two medians apart."""
+    tpot = repeat_tpot_ratios(base_req, spec_req)
+    good = {r: spec_goodput[r] / base_goodput[r] for r in spec_goodput
+            if r in base_goodput and base_goodput[r] > 0 and spec_goodput[r] == spec_goodput[r]}
+    out = {"goodput_ratio_low": min(good.values()) if good else math.nan,
+           "goodput_ratio_high": max(good.values()) if good else math.nan}
+    for who in ("baseline", "method"):
+        for name, ratios in (("tpot_speedup", tpot), ("goodput_ratio", good)):
+            mine = [x for r, x in ratios.items() if first.get(r) == who]
+            out[f"{name}_{who}_first"] = float(np.median(mine)) if mine else math.nan
+    return out
 
 
 def tpot_speedup_interval(base_req: pd.DataFrame, spec_req: pd.DataFrame, n_boot: int = 2000,

@@ -187,6 +187,45 @@ def paired_speedup(spec_tokens, spec_s, base_tokens, base_s, n_boot: int = 2000,
     return {"speedup": point, "speedup_ci_low": float(lo), "speedup_ci_high": float(hi), "speedup_pairs": n}
 
 
+def speedup_by_order(pairs: pd.DataFrame) -> dict:
+    """The paired speedup (ratio of sums) over the pairs whose baseline ran first, and over those
+    whose method ran first (`pairs.first`), with their counts. Equal counts make the order cancel
+    in `speedup`; two values far apart say the order itself moves the measurement (a warm-up, a
+    cache, a machine that speeds up or slows down within a pair)."""
+    out = {}
+    for who in ("baseline", "method"):
+        p = pairs[pairs["first"] == who]
+        out[f"pairs_{who}_first"] = int(len(p))
+        ok = len(p) and p.wall_s_spec.sum() > 0 and p.wall_s_base.sum() > 0
+        out[f"speedup_{who}_first"] = (float((p.tokens_spec.sum() / p.wall_s_spec.sum())
+                                             / (p.tokens_base.sum() / p.wall_s_base.sum())) if ok else math.nan)
+    return out
+
+
+# An A/A control's ratios and the interval each must hold 1.0 in: (ratio, low end, high end).
+AA_INTERVALS = (("speedup", "speedup_ci_low", "speedup_ci_high"),
+                ("tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high"),
+                ("goodput_ratio", "goodput_ratio_low", "goodput_ratio_high"))
+
+
+def aa_verdict(row: dict) -> str:
+    """An A/A control's verdict: "holds 1.0" when every ratio's interval it has holds 1.0 (a
+    speedup's 95% bootstrap interval, tpot_speedup's over requests, goodput_ratio's range over
+    repeats), else "excludes 1.0: " and each ratio whose interval does not, with it; "no interval"
+    when none could be computed (one pair)."""
+    bad, seen = [], 0
+    for name, lo_key, hi_key in AA_INTERVALS:
+        lo, hi = row.get(lo_key), row.get(hi_key)
+        if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+            continue
+        seen += 1
+        if not lo <= 1.0 <= hi:
+            bad.append(f"{name} {row.get(name, math.nan):.3f} [{lo:.3f}, {hi:.3f}]")
+    if not seen:
+        return "no interval"
+    return "holds 1.0" if not bad else "excludes 1.0: " + "; ".join(bad)
+
+
 def first_divergence(spec: list[int], base: list[int]) -> int | None:
     """Index of the first differing token (a length difference counts), or None if identical."""
     for i, (a, b) in enumerate(zip(spec, base)):

@@ -256,7 +256,9 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     df = load_summaries(sweep_dir)
     if df.empty:
         raise FileNotFoundError(f"{sweep_dir}: no job results (*/summary.json) found")
-    made = [p for p in (f(df, out) for f in PLOTS) if p is not None]
+    controls = _controls(df)
+    df = df[~_is_control(df)]  # every table and plot below is of the methods; the controls get their own section
+    made = [p for p in (f(df, out) for f in PLOTS) if p is not None] if len(df) else []
     d = df.sort_values([c for c in ("workload", "batch_size", "method") if c in df.columns])
     env = next((e for e in df.get("env", []) if isinstance(e, dict)), {})
     lines = [f"# specsweep report: {sweep_dir.name}", "",
@@ -267,6 +269,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
              "requests and batches (paired: batch by batch, interleaved; 95% cluster-bootstrap interval over the "
              "pairs). Every metric's definition, and which engine field it comes from: docs/metrics.md.", "",
              markdown_table(d, REPORT_COLUMNS), ""]
+    lines += controls_markdown(controls)
     lines += load_markdown(df)
     lines += flags_markdown(df)
     from .recommend import markdown as rec_markdown, recommend
@@ -284,6 +287,40 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     (out / "summary.md").write_text("\n".join(lines))
     (out / "index.json").write_text(json.dumps([p.name for p in made]))
     return out
+
+
+def _is_control(df: pd.DataFrame) -> pd.Series:
+    return df.aa_control.fillna(False).astype(bool) if "aa_control" in df.columns else pd.Series(False, index=df.index)
+
+
+def _controls(df: pd.DataFrame) -> pd.DataFrame:
+    return df[_is_control(df)]
+
+
+AA_COLUMNS = ("backend", "workload", "batch_size", "load_label", "status", "speedup", "speedup_ci_low", "speedup_ci_high",
+              "speedup_baseline_first", "speedup_method_first", "pairs_baseline_first", "pairs_method_first",
+              "tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high", "goodput_ratio", "goodput_ratio_low",
+              "goodput_ratio_high", "aa_verdict")
+
+
+def controls_markdown(controls: pd.DataFrame) -> list[str]:
+    """The A/A controls (aa_control=true: both arms the same engine without speculation): each
+    must read 1.0 within its intervals; one that does not is flagged, since every ratio of the
+    same engine and load measured beside it rests on the same harness."""
+    if controls.empty:
+        return []
+    cols = [c for c in AA_COLUMNS if c in controls.columns]
+    lines = ["## Controls (A/A)", "",
+             "Both arms are the same engine without speculation, measured as any method is: every ratio must read "
+             "1.0 within its interval (docs/metrics.md, \"The A/A control\"). Per-order columns: the pairs whose "
+             "baseline, or whose method arm, ran first.", "",
+             markdown_table(controls.sort_values([c for c in ("backend", "batch_size", "load_label") if c in cols]), cols), ""]
+    for _, r in controls.iterrows():
+        verdict = r.get("aa_verdict")
+        if r.get("status") == "ok" and isinstance(verdict, str) and verdict.startswith("excludes"):
+            lines.append(f"- **Flag** `{r.job}`: the A/A control {verdict}: ratios measured beside it on this engine "
+                         "and load carry that bias.")
+    return lines + [""]
 
 
 def flags_markdown(df: pd.DataFrame) -> list[str]:

@@ -48,6 +48,8 @@ class JobKey:
         hashed = {g: c[g] for g in groups}
         if (c.get("load") or {}).get("kind", "static") != "static":  # static jobs keep the keys they had
             hashed["load"] = c["load"]
+        if c.get("aa_control"):  # an A/A control is not the method's own job (other jobs keep their keys)
+            hashed["aa_control"] = True
         return cls(*(c[g]["name"] for g in groups), *(c[f.name] for f in fields(cls)[4:-1]),
                    config_hash=short_hash(hashed))
 
@@ -148,6 +150,8 @@ def job_name(cfg: dict) -> str:
              f"t{_num(cfg['temperature'])}"]
     if m.get("speculative", True):
         parts.append(f"k{cfg['num_speculative_tokens']}")
+    if cfg.get("aa_control"):
+        parts.append("aa")
     return "-".join(parts) + "-" + short_hash(job_identity(cfg))
 
 
@@ -157,6 +161,8 @@ def job_identity(cfg: dict) -> dict:
     drop = {"results_dir", "sweep_name", "force", "report", "job_timeout_s", "slo"}
     if (cfg.get("load") or {}).get("kind", "static") == "static":
         drop.add("load")  # static jobs keep the identity (and folder names) they had
+    if not cfg.get("aa_control"):
+        drop.add("aa_control")  # likewise every job that is not an A/A control
     return {k: v for k, v in cfg.items() if k not in drop}
 
 
@@ -164,7 +170,7 @@ def baseline_identity(cfg: dict, engine_key: dict | None = None) -> dict:
     """What a baseline depends on: everything but the method and its draft length, plus what the
     engine declares of the method that changes its baseline path (Backend.baseline_key)."""
     ident = job_identity(cfg)
-    for k in ("method", "num_speculative_tokens", "baseline", "lossless_margin_tol"):
+    for k in ("method", "num_speculative_tokens", "baseline", "lossless_margin_tol", "aa_control"):
         ident.pop(k, None)
     if engine_key:
         ident["engine_baseline"] = engine_key

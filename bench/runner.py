@@ -36,6 +36,7 @@ def _key_row(c: dict) -> dict:
     """The row's identity columns (JobKey), and how it was measured (its load point too)."""
     ld = c.get("load") or {"kind": "static"}
     return {**asdict(JobKey.from_config(c)), "repeats": c["repeats"], "baseline_mode": c["baseline"],
+            "aa_control": bool(c.get("aa_control")), "speculative": bool(c["method"].get("speculative", True)),
             "load_kind": ld["kind"], "load_level": ld.get("level"), "load_label": load.level_label(ld)}
 
 
@@ -147,7 +148,7 @@ class Measurement:
                     "prompt_token_ids": prompt_ids[i], "output_token_ids": q.output_token_ids,
                     "output_text": backend.detokenize(q.output_token_ids), "n_prompt": len(prompt_ids[i]), "n_output": n,
                     "ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / (n - 1) if n > 1 else math.nan,
-                    "itl_s": itl, "finished_by": q.finished_by, "top2_margins": q.top2_margins,
+                    "itl_s": itl, "finished_by": q.finished_by,
                     "submitted_s": q.submitted_s})
             for cy in out.cycles or []:
                 cyc_rows.append({"run": self.kind, "repeat": rep, "batch": bi, "request_id": prompts[idx[cy["row"]]].id, **cy})
@@ -334,7 +335,10 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     plan = load.plan(c["load"])
     if plan is not None:  # a load run serves every request: one "batch", the pairing unit
         batches = [list(range(len(ids)))]
-    speculative = c["method"].get("speculative", True)
+    # Two arms for a method that speculates, and for an A/A control (its method arm is the same
+    # engine without speculation, run through the method arm's path: speculative=True with a
+    # method that drafts nothing). `speculative` below means "there is a method arm".
+    speculative = c["method"].get("speculative", True) or bool(c.get("aa_control"))
     reps = c["repeats"]
     n_steps = reps * len(batches) * (2 if speculative else 1)
     progress = progress_factory(jdir.name, n_steps) if progress_factory else None
@@ -351,12 +355,15 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     probes.dtype = compute[1] if compute else None  # the peak rate is probed in the dtype the products run in
     base_steps = None  # the baseline's timed steps: read here from a reused shared baseline, else from `base`
     drift = {}
+    first: dict = {}  # (repeat, batch) -> which arm ran first: "baseline" or "method"
     if c["baseline"] == "paired" or not speculative:
         # Paired: baseline and method on the same batch back to back, which goes first alternating,
-        # so that load hitting the machine hits both halves of a pair.
+        # so that load hitting the machine hits both halves of a pair (an even count of pairs
+        # balances the orders; an A/A control is refused otherwise, bench/config.py).
         for r in range(reps):
             for bi, idx in enumerate(batches):
                 arms = (base, spec) if (r + bi) % 2 == 0 else (spec, base)
+                first[(r, bi)] = "baseline" if arms[0] is base else "method"
                 for m in arms if speculative else (base,):
                     _measure_batch(backend, m, ids, bi, idx, c, r)
                     if progress:
@@ -439,16 +446,20 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
     out["baseline_tokens_per_s"] = float(np.median(base_tp))
     counters = [o.spec_counters for _, _, _, o in spec.runs if o.spec_counters is not None]
     spec_batches = spec.batch_table()
+    pairs = _pairs(base_batches, spec_batches, first) if speculative else None
     out.update(summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp,
                          _throughputs(spec_batches) if speculative else base_tp, speculative,
-                         sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps,
-                         pairs=_pairs(base_batches, spec_batches) if speculative else None))
+                         sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps, pairs=pairs))
+    if pairs is not None and first:
+        out.update(metrics.speedup_by_order(pairs))
     if speculative and out.get("lossless") == "false":
         out.update(_weigh_divergences(backend, c, base_req, spec_req, out["lossless_detail"], jdir.name))
     if plan is not None:
         out.update(load_summary(c, base, spec if speculative else base, base_req, spec_req if speculative else base_req,
                                 base_cyc, spec_cyc if speculative else base_cyc, own_base_steps,
-                                spec_steps if speculative else own_base_steps))
+                                spec_steps if speculative else own_base_steps, first))
+    if c.get("aa_control"):
+        out["aa_verdict"] = metrics.aa_verdict(out)
     return out
 
 
@@ -465,18 +476,20 @@ def running_batch(cyc: pd.DataFrame, steps: pd.DataFrame | None) -> float:
 
 
 def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, base_cyc, spec_cyc, base_steps=None,
-                 spec_steps=None) -> dict:
+                 spec_steps=None, first: dict | None = None) -> dict:
     """A load point's serving metrics for both arms (docs/metrics.md, "Under load"): rates per run
     (medians over repeats), latency percentiles over every request, the mean running batch, and
     the SD-on-against-off ratios: tpot_speedup, the median of the repeats' own ratios baseline
-    p50 TPOT / spec p50 TPOT, with their range, and goodput's."""
+    p50 TPOT / spec p50 TPOT, with their range, and goodput's; and each by which arm ran first
+    (`first`: repeat -> "baseline" or "method"; a load run is one pair per repeat)."""
     slo = c.get("slo") or {}
     out = {}
-    per_arm = {}
+    per_arm, goodput = {}, {}
     for arm, m, req, cyc, steps in (("", spec, spec_req, spec_cyc, spec_steps),
                                     ("baseline_", base, base_req, base_cyc, base_steps)):
         runs = [load.run_metrics(req[req.repeat == r], o.wall_s, slo.get("ttft_ms"), slo.get("tpot_ms"))
                 for r, _, _, o in m.runs]
+        goodput[arm] = {r: x["goodput_rps"] for (r, *_), x in zip(m.runs, runs)}
         for key in ("request_throughput", "output_tokens_per_s", "goodput_rps", "slo_met_share"):
             out[arm + key] = float(np.median([x[key] for x in runs])) if runs else math.nan
         for name in ("ttft", "tpot", "e2e"):
@@ -489,6 +502,8 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
     out.update(load.tpot_speedup(per_arm["baseline_"], per_arm[""]))
     out["goodput_ratio"] = (out["goodput_rps"] / out["baseline_goodput_rps"] if out["baseline_goodput_rps"] > 0
                             else math.nan)
+    out.update(load.ratios_by_order(per_arm["baseline_"], per_arm[""], goodput["baseline_"], goodput[""],
+                                    {r: who for (r, _), who in (first or {}).items()}))
     out["slo_ttft_ms"], out["slo_tpot_ms"] = slo.get("ttft_ms"), slo.get("tpot_ms")
     return out
 
@@ -549,11 +564,15 @@ def _throughputs(batches: list[dict]) -> list[float]:
     return [t / w if w > 0 else math.nan for t, w in per.values()]
 
 
-def _pairs(base_batches: list[dict], spec_batches: list[dict]) -> pd.DataFrame:
-    """Baseline and method batch by batch: the same (repeat, batch), so the same requests and seeds."""
+def _pairs(base_batches: list[dict], spec_batches: list[dict], first: dict | None = None) -> pd.DataFrame:
+    """Baseline and method batch by batch: the same (repeat, batch), so the same requests and seeds;
+    `first`, where the pair was measured back to back, says which arm ran first."""
     b = pd.DataFrame(base_batches)
     s = pd.DataFrame(spec_batches)
-    return s.merge(b, on=["repeat", "batch"], suffixes=("_spec", "_base"))
+    pairs = s.merge(b, on=["repeat", "batch"], suffixes=("_spec", "_base"))
+    if first:
+        pairs["first"] = [first.get((int(r), int(bi))) for r, bi in zip(pairs.repeat, pairs.batch)]
+    return pairs
 
 
 def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, speculative: bool, counters=None,
@@ -588,7 +607,7 @@ def summarize(c, base_req, base_cyc, spec_req, spec_cyc, base_tp, spec_tp, specu
         s["lossless"] = "n/a"
     elif speculative:
         s["lossless"], s["lossless_divergences"], s["lossless_near_ties"], s["lossless_detail"] = _lossless(c, base_req, spec_req)
-        s["lossless_shape_ties"] = 0  # (_weigh_divergences counts them where there are divergences to weigh)
+        s["lossless_shape_ties"] = 0  # (_weigh_divergences weighs each divergence; the job's _measure calls it)
     else:
         s["lossless"] = "n/a"
     if not speculative or not have_trace:
@@ -639,30 +658,32 @@ def _cost_ratios(full: pd.DataFrame, plain: pd.DataFrame, k: int, alpha: float) 
     return {"verify_cost_ratio": r, "draft_cost_ratio": c, "predicted_speedup": metrics.predicted_speedup(alpha, k, c, r)}
 
 
-MAX_NUMERICS_PROBES = 8  # distinct divergences a job asks its engine about (each a few short forwards)
+MAX_NUMERICS_PROBES = 16  # distinct divergences a job asks its engine about (each a few short forwards)
 
 
 def _weigh_divergences(backend: Backend, c: dict, base_req, spec_req, detail: list, job: str) -> dict:
-    """Each greedy divergence away from a near-tie, asked of the engine once more: the margin of the
-    baseline's token over the speculative output's at that position, with speculation off, under
-    the batch shapes a verify of k + 1 tokens spans and the whole prefix at once
-    (Backend.margins_across_shapes). Where those shapes move the margin across zero or by at least
-    its smallest value, the divergence is within the engine's own numerics (a verify batch is one
-    more shape): a shape tie, recorded, not a failure. Engines that cannot score a prefix, a
-    probe that fails, and divergences past the first MAX_NUMERICS_PROBES distinct ones stay
-    failures; the measured outputs are already written, so nothing here can lose them."""
+    """Each greedy divergence asked of the engine once more, after the measured runs (untimed, so
+    neither arm pays for it): the margin log p(baseline's token) - log p(method's token) as the
+    next token after the baseline's prefix, with speculation off, under the batch shapes a verify
+    of k + 1 tokens spans and the whole prefix at once (Backend.margins_across_shapes). Shape 1
+    (the last token forwarded alone, its prefix cached) is a decode step, the baseline's own
+    shape: a margin there below lossless_margin_tol is a near-tie. Where the shapes move the
+    margin across zero or by at least its smallest value, the divergence is within the engine's
+    own numerics (a verify batch is one more shape): a shape tie. Either is recorded, not a
+    failure. Engines that cannot score a prefix, a probe that fails, and divergences past the
+    first MAX_NUMERICS_PROBES distinct ones stay failures; the measured outputs are already
+    written, so nothing here can lose them."""
     ref = base_req[base_req.repeat == base_req.repeat.min()].set_index("request_id")
     spec_out = spec_req.set_index(["request_id", "repeat"]).output_token_ids
     shapes = list(range(1, c["num_speculative_tokens"] + 2)) + [0]
     asked: dict = {}
-    todo = [d for d in detail if not d["near_tie"]]
-    log.info("%s: %d output(s) diverged from the baseline away from a near-tie; asking the engine how its batch "
-             "shapes move those margins", job, len(todo))
-    for d in todo:
+    log.info("%s: %d output(s) diverged from the baseline; asking the engine for the margins at those tokens", job,
+             len(detail))
+    for d in detail:
         base = list(ref.loc[d["request_id"]].output_token_ids)
         spec = list(spec_out.loc[(d["request_id"], d["repeat"])])
         i = d["position"]
-        d["shape_tie"] = False
+        d.update(near_tie=False, shape_tie=False, decode_margin=math.nan)
         if i >= len(base) or i >= len(spec):  # one output ended early: no two tokens to weigh
             d["margins_across_shapes"] = None
             continue
@@ -684,31 +705,25 @@ def _weigh_divergences(backend: Backend, c: dict, base_req, spec_req, detail: li
             d["probe"] = got or f"backend {backend.name} cannot score a prefix under chosen batch shapes"
             continue
         d["shapes"], d["margins_across_shapes"] = shapes, [float(m) for m in got]  # shape 0: the whole prefix
+        d["decode_margin"] = float(got[0])  # shape 1, a decode step's
+        d["near_tie"] = math.isfinite(d["decode_margin"]) and d["decode_margin"] < c["lossless_margin_tol"]
         d["shape_tie"] = metrics.within_engine_numerics(got)
-    failures = sum(not d["near_tie"] and not d.get("shape_tie") for d in detail)
+    failures = sum(not d["near_tie"] and not d["shape_tie"] for d in detail)
     return {"lossless": "true" if failures == 0 else "false", "lossless_divergences": failures,
-            "lossless_shape_ties": sum(bool(d.get("shape_tie")) for d in detail)}
+            "lossless_near_ties": sum(d["near_tie"] for d in detail),
+            "lossless_shape_ties": sum(d["shape_tie"] and not d["near_tie"] for d in detail)}
 
 
 def _lossless(c, base_req, spec_req):
-    """Greedy: every spec output must equal the baseline's, token for token; a divergence at a
-    near-tied argmax (top-2 margin below lossless_margin_tol) is recorded but not a failure."""
+    """Greedy: every spec output must equal the baseline's, token for token. Returns (verdict,
+    divergences, near-ties, detail): each output that differs is a divergence, to be weighed
+    (_weigh_divergences) before it counts as a failure; near-ties are known only then (0 here)."""
     if c["temperature"] > 0:
         return "n/a", 0, 0, []
     ref = base_req[base_req.repeat == base_req.repeat.min()].set_index("request_id")
-    failures = near = 0
     detail = []
     for _, r in spec_req.iterrows():
-        b = ref.loc[r.request_id]
-        base_toks = list(b.output_token_ids)
-        i = metrics.first_divergence(list(r.output_token_ids), base_toks)
-        if i is None:
-            continue
-        margins = b.top2_margins
-        margin = float(margins[i]) if margins is not None and i < len(margins) else math.nan
-        tiny = not math.isnan(margin) and margin < c["lossless_margin_tol"]
-        near += tiny
-        failures += not tiny
-        detail.append({"request_id": r.request_id, "repeat": int(r["repeat"]), "position": i, "top2_margin": margin,
-                       "near_tie": bool(tiny)})
-    return ("true" if failures == 0 else "false"), failures, near, detail
+        i = metrics.first_divergence(list(r.output_token_ids), list(ref.loc[r.request_id].output_token_ids))
+        if i is not None:
+            detail.append({"request_id": r.request_id, "repeat": int(r["repeat"]), "position": i, "near_tie": False})
+    return ("true" if not detail else "false"), len(detail), 0, detail

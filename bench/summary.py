@@ -38,6 +38,7 @@ def col(doc: str, section: str = "") -> Any:
 
 # headings of docs/metrics.md, named beside the columns they define (a test checks each exists)
 ACCEPT, SPEED, ROOF = "The acceptance record", "Speedup and its interval", "Baseline efficiency (roofline)"
+AA = "The A/A control"
 COST, LAT, LOAD = "Cost ratios and the prediction", "Latency: one contract", "Under load (`load=concurrency`, `load=rate`)"
 LOSSLESS, ERRORS = "Losslessness", "Errors"
 
@@ -47,6 +48,8 @@ class JobSummary(JobKey):
     # --- how the job was run -------------------------------------------------------------------
     repeats: int = col("timed repeats of every batch, each arm")
     baseline_mode: str = col("paired (baseline and method batch by batch, alternating) or shared (one baseline per engine setting, reused)", SPEED)
+    aa_control: bool = col("an A/A control: the method arm is the same engine without speculation, through the method arm's code path", AA)
+    speculative: bool = col("whether the method speculates (its config's speculative); false for the baseline method and for A/A controls")
     load_kind: str = col("static (batches of batch_size), concurrency (a closed loop) or rate (an open loop of gamma-distributed arrivals)", LOAD)
     load_level: float = col("the load's level: requests in flight (concurrency) or per second (rate); null when static")
     load_label: str = col("the load point as tables and job names read it: static, c4 (concurrency 4), r1.5 (1.5 requests/s)")
@@ -88,6 +91,11 @@ class JobSummary(JobKey):
     speedup_ci_low: float = col("95% bootstrap interval of speedup, low end (null with one pair)", SPEED)
     speedup_ci_high: float = col("95% bootstrap interval of speedup, high end", SPEED)
     speedup_pairs: int = col("baseline/method batch pairs behind a paired speedup")
+    pairs_baseline_first: int = col("pairs whose baseline ran first (paired jobs)", AA)
+    pairs_method_first: int = col("pairs whose method ran first", AA)
+    speedup_baseline_first: float = col("speedup over the pairs whose baseline ran first alone", AA)
+    speedup_method_first: float = col("speedup over the pairs whose method ran first alone", AA)
+    aa_verdict: str = col("A/A controls: holds 1.0 (every interval of speedup, tpot_speedup, goodput_ratio holds 1.0), excludes 1.0 with those that do not, or no interval", AA)
     output_tokens: int = col("output tokens of the method's requests, all repeats")
     # --- latency over the method's requests (static batches: p50/p95/p99) ---------------------------
     ttft_p50: float = col("time to first token, median, s", LAT)
@@ -115,7 +123,7 @@ class JobSummary(JobKey):
     acceptance_forced: bool = col("method=synthetic: acceptance forced at the verifier, so the output is not the target's", LOSSLESS)
     lossless: str = col("greedy: true when every output equals the baseline's but at near-ties; false; or n/a", LOSSLESS)
     lossless_divergences: int = col("requests that diverged from the baseline away from a near-tie", LOSSLESS)
-    lossless_near_ties: int = col("requests that diverged at a near-tied argmax (top-2 margin below lossless_margin_tol)", LOSSLESS)
+    lossless_near_ties: int = col("requests that diverged at a near-tie: asked afterwards, the engine's decode step prefers the baseline's token over the method's by less than lossless_margin_tol (decode_margin in lossless_detail)", LOSSLESS)
     lossless_shape_ties: int = col("requests that diverged where the engine's own batch shapes move the margin across zero or by at least its size (margins_across_shapes in lossless_detail)", LOSSLESS)
     lossless_detail: list = col("per divergence: request, repeat, position, top-2 margin, near tie or not; away from a near-tie, the margin under several batch shapes and whether that makes it a shape tie")
     # --- acceptance --------------------------------------------------------------------------------
@@ -167,6 +175,12 @@ class JobSummary(JobKey):
     tpot_speedup_ci_low: float = col("95% interval of tpot_speedup over requests: a cluster bootstrap of request ids, both arms together", LOAD)
     tpot_speedup_ci_high: float = col("its upper end", LOAD)
     goodput_ratio: float = col("goodput_rps / baseline_goodput_rps", LOAD)
+    goodput_ratio_low: float = col("the lowest of the repeats' own goodput ratios", LOAD)
+    goodput_ratio_high: float = col("the highest of the repeats' own goodput ratios", LOAD)
+    tpot_speedup_baseline_first: float = col("median of the TPOT ratios of the repeats whose baseline ran first", AA)
+    tpot_speedup_method_first: float = col("median of the TPOT ratios of the repeats whose method ran first", AA)
+    goodput_ratio_baseline_first: float = col("median of the goodput ratios of the repeats whose baseline ran first", AA)
+    goodput_ratio_method_first: float = col("median of the goodput ratios of the repeats whose method ran first", AA)
     slo_ttft_ms: float = col("the TTFT SLO the goodput counts against, ms (null: none)")
     slo_tpot_ms: float = col("the TPOT SLO the goodput counts against, ms (null: none)")
     # --- the machine -------------------------------------------------------------------------------

@@ -38,3 +38,24 @@ def trained_gemma_head(tmp_path_factory):
                "--eval-prompts", "2"])
     assert rc == 0
     return out, json.loads((out / "specsweep_train.json").read_text())
+
+
+@pytest.fixture
+def http_bodies(monkeypatch):
+    """Every JSON request body the harness's HTTP client sends (httpx.AsyncClient, which every
+    request of a timed run goes through), as (path, body) in the order sent: what each arm asked
+    its engine for. Each is (host, path, body)."""
+    import json
+
+    import httpx
+
+    sent = []
+    send = httpx.AsyncClient.send
+
+    async def recording(self, request, *args, **kwargs):
+        if request.method == "POST" and request.content:
+            sent.append((request.url.host, request.url.path, json.loads(request.content)))
+        return await send(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.AsyncClient, "send", recording)
+    return sent

@@ -189,7 +189,7 @@ def test_a_load_point_on_llama_server_is_one_paired_job_with_its_serving_metrics
     # 0.111 in another), so under load a verify batch and a decode batch can pick different
     # argmaxes at a narrow margin. What must hold is that every divergence is found and recorded.
     assert row["lossless"] in ("true", "false")
-    assert all({"request_id", "position", "top2_margin"} <= set(d) for d in row["lossless_detail"])
+    assert all({"request_id", "position", "decode_margin", "near_tie", "shape_tie"} <= set(d) for d in row["lossless_detail"])
     assert (row["lossless"] == "false") == (row["lossless_divergences"] > 0)
     assert row["goodput_rps"] == row["request_throughput"] and row["slo_met_share"] == 1.0
     assert row["baseline_goodput_rps"] == row["baseline_request_throughput"] and row["goodput_ratio"] > 0

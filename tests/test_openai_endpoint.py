@@ -167,3 +167,54 @@ def test_a_deployment_that_dies_mid_run_is_an_engine_error_naming_it(llama_serve
         assert time.time() - t0 < 30
     finally:
         proc.kill()
+
+
+@pytest.mark.slow
+def test_an_aa_control_on_one_server_at_two_urls_runs_both_arms_alike(llama_servers, http_bodies, tmp_path):
+    """The A/A control on a running deployment: url and baseline_url are one llama-server without
+    speculation at two spellings (127.0.0.1 and localhost). The job runs both arms through the
+    method arm's path, the method arm to url and the baseline to baseline_url, each sending the
+    same bodies; the arms alternate which goes first (one pair each way over 2 repeats), and the
+    row carries the per-order ratios and its verdict."""
+    from bench.runner import run_job
+
+    (_, base_url), _ = llama_servers
+    port = base_url.rsplit(":", 1)[1]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[f"results_dir={tmp_path}", "sweep_name=t", "backend=openai_endpoint",
+                                           f"backend.url=http://localhost:{port}", f"backend.baseline_url={base_url}",
+                                           "method=autoregressive", "aa_control=true", "workload=code_edit",
+                                           "load=concurrency", "load.level=2", "load.num_requests=4", "max_new_tokens=8",
+                                           "repeats=2", "warmup=false", "report=false", "slo.ttft_ms=3600000",
+                                           "slo.tpot_ms=3600000"])
+    row = run_job(cfg)
+    assert row["status"] == "ok", row.get("error")
+    assert row["aa_control"] is True and row["speculative"] is False and "-aa-" in row["job"]
+    assert (row["pairs_baseline_first"], row["pairs_method_first"]) == (1, 1) and row["speedup_pairs"] == 2
+    assert row["aa_verdict"].startswith(("holds 1.0", "excludes 1.0"))
+    for key in ("speedup_baseline_first", "speedup_method_first", "tpot_speedup_baseline_first",
+                "tpot_speedup_method_first", "goodput_ratio_low", "goodput_ratio_high"):
+        assert row[key] > 0, key
+    by_host = {}
+    for host, path, body in http_bodies:
+        if path == "/completion":
+            by_host.setdefault(host, []).append(body)
+    assert set(by_host) == {"localhost", "127.0.0.1"}  # the method arm at url, the baseline at baseline_url
+    key = lambda b: repr(sorted(b.items()))  # noqa: E731
+    assert sorted(map(key, by_host["localhost"])) == sorted(map(key, by_host["127.0.0.1"]))
+
+
+def test_an_aa_control_is_refused_with_a_speculating_method_or_an_odd_count_of_pairs(tmp_path):
+    from bench.config import ConfigError, validate
+
+    def cfg(*extra):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose("config", overrides=[f"results_dir={tmp_path}", "aa_control=true", *extra])
+
+    with pytest.raises(ConfigError, match="aa_control=true with method=ngram, which speculates: .*method=autoregressive"):
+        validate(cfg("method=ngram"))
+    with pytest.raises(ConfigError, match=r"aa_control=true with repeats=3 gives 3 pair\(s\) \(1 per repeat\): .*repeats=4"):
+        validate(cfg("method=autoregressive", "load=concurrency", "load.level=2", "repeats=3"))
+    with pytest.raises(ConfigError, match=r"repeats=1 gives 1 pair\(s\) \(1 per repeat\)"):
+        validate(cfg("method=autoregressive", "num_prompts=4", "batch_size=4", "repeats=1"))
+    validate(cfg("method=autoregressive", "num_prompts=4", "batch_size=2", "repeats=1"))  # 2 batches: 2 pairs

@@ -169,4 +169,3 @@ def test_backend_serve_returns_interface_records(tiny_llama):
         assert set(out.cycles[0]) >= {"cycle", "row", "slot", "t", "drafted", "accepted", "emitted", "kv_len",
                                       "batch_rows", "t_draft", "t_verify", "t_other"}
     assert sum(c["drafted"] for c in spec.cycles) > 0 and sum(c["drafted"] for c in base.cycles) == 0
-    assert all(len(r.top2_margins) == len(r.output_token_ids) for r in base.requests)  # what the lossless check reads

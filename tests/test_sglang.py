@@ -288,10 +288,11 @@ def test_a_streamed_error_or_abort_from_a_mock_sglang_server_is_an_engine_error(
         srv.close()
 
 
-def test_sglang_server_serves_a_load_streamed_with_a_client_latency_contract_against_a_mock_server():
+def test_sglang_server_serves_a_load_streamed_with_a_client_latency_contract_against_a_mock_server(http_bodies):
     """SGLangServerBackend.serve on the stand-in server (its process replaced by the mock: SGLang
-    cannot start here): the /metrics cross-check agrees with the requests' meta_info, and after a
-    load the contract says client TTFT, chunk granularity."""
+    cannot start here): the /metrics cross-check agrees with the requests' meta_info, after a
+    load the contract says client TTFT, chunk granularity, and the baseline arm sends the same
+    request bodies as the method arm."""
     from backends.sglang import SGLangServerBackend
     from bench.backend import LoadPlan, Sampling
 
@@ -302,8 +303,11 @@ def test_sglang_server_serves_a_load_streamed_with_a_client_latency_contract_aga
     try:
         assert b.latency_contract() == {"ttft_source": "engine", "emit_granularity": "none"}
         out = b.serve([[1, 2], [3]], Sampling(), 6, True, LoadPlan("rate", max_rows=2, arrivals_s=[0.0, 0.05]))
+        b.serve([[1, 2], [3]], Sampling(), 6, False, LoadPlan("rate", max_rows=2, arrivals_s=[0.0, 0.05]))
     finally:
         srv.close()
+    bodies = [body for _, path, body in http_bodies if path == "/generate"]
+    assert len(bodies) == 4 and bodies[:2] == bodies[2:]
     assert out.spec_counters.drafts == sum(r.spec_counters.drafts for r in out.requests) > 0
     assert out.counters["verify_calls_match_meta_info"] is True
     assert out.requests[1].submitted_s >= 0.04

@@ -34,12 +34,23 @@ def _pids():
     return set(out)
 
 
-def test_self_draft_accepts_every_token_and_output_equals_the_baseline(tiny64, tmp_path):
+def test_self_draft_accepts_every_token_and_output_equals_the_baseline(tiny64, tmp_path, monkeypatch):
+    from backends.processes import Worker
+
+    sent, call = [], Worker.call  # what each arm asks its engine: the same request, to its own engine
+
+    def recording(self, req, *args, **kwargs):
+        if req.get("op") == "generate":
+            sent.append(dict(req))
+        return call(self, req, *args, **kwargs)
+
+    monkeypatch.setattr(Worker, "call", recording)
     b = VLLMBackend({"path": str(tiny64)}, {"name": "draft_model", "draft_path": str(tiny64)}, num_speculative_tokens=3, **ENGINE)
     b.set_artifact_dir(tmp_path)
     ids = [b.tokenize(t) for t in TEXTS]
     base = b.generate(ids, Sampling(), 16, speculative=False)
     spec = b.generate(ids, Sampling(), 16, speculative=True)
+    assert len(sent) == 2 and sent[0] == sent[1]
     assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
     c = spec.spec_counters
     assert c.draft_tokens > 0 and c.accepted_tokens == c.draft_tokens and c.draft_tokens == 3 * c.drafts
@@ -182,10 +193,11 @@ def test_ngram_and_suffix_on_the_default_gemma_model(tmp_path):
     Pool.stop_all()
 
 
-def test_server_mode_self_draft_matches_offline_and_stops_every_process(tiny64, tmp_path):
+def test_server_mode_self_draft_matches_offline_and_stops_every_process(tiny64, tmp_path, http_bodies):
     """backend=vllm_server: vLLM's OpenAI server on 127.0.0.1. Self-drafting accepts every token
     (from /metrics deltas), greedy output equals the server's own baseline, the timing plugin
-    runs in the server's engine process, and stopping it leaves no process of its group."""
+    runs in the server's engine process, both arms send the same request bodies, and stopping it
+    leaves no process of its group."""
     import os
 
     from backends.vllm_server import VLLMServerBackend
@@ -196,8 +208,12 @@ def test_server_mode_self_draft_matches_offline_and_stops_every_process(tiny64, 
     b.set_artifact_dir(tmp_path)
     ids = [b.tokenize(t) for t in TEXTS]
     assert b.detokenize(ids[1]).endswith("import sys\n")
+    del http_bodies[:]
     base = b.generate(ids, Sampling(), 16, speculative=False)
     spec = b.generate(ids, Sampling(), 16, speculative=True)
+    bodies = [body for _, path, body in http_bodies if path == "/v1/completions"]
+    key = lambda x: repr(sorted(x.items()))  # noqa: E731 (a batch's requests go out in any order)
+    assert len(bodies) == 4 and sorted(map(key, bodies[:2])) == sorted(map(key, bodies[2:]))
     assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
     c = spec.spec_counters
     assert c.draft_tokens > 0 and c.accepted_tokens == c.draft_tokens == 3 * c.drafts

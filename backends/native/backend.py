@@ -249,8 +249,9 @@ class NativeBackend(Backend):
 
     def _run(self, run, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool, **plan) -> BatchOutput:
         """A static batch (engine.generate) or a load run (scheduler.serve), seeded and recorded
-        alike: speculative=False is the same engine with no drafter, the baseline, whose greedy
-        runs record the top-2 margins the lossless check reads."""
+        alike: speculative=False is the same engine with no drafter, the baseline. Both arms ask
+        the engine for the same outputs (tokens and times, nothing else): the margins the lossless
+        check weighs are asked for afterwards, untimed, only at divergences (margins_across_shapes)."""
         sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k)
         gen = torch.Generator().manual_seed(sampling.seed)
         drafter = self.drafter if speculative else None
@@ -260,8 +261,8 @@ class NativeBackend(Backend):
             for m in self._transformers():
                 m.warm_compiled()
         rows, cycles, wall = run(self.model, prompts, max_new_tokens, sp, drafter=drafter, eos_ids=self.eos, gen=gen,
-                                 record_margins=not speculative and sp.greedy, trace=self.cfg.trace, **plan)
-        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, r.margins or None, r.finished_by,
+                                 trace=self.cfg.trace, **plan)
+        reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, finished_by=r.finished_by,
                               submitted_s=r.submitted_s) for r in rows]
         return BatchOutput(reqs, wall, cycles if self.cfg.trace else None)
 

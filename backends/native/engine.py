@@ -38,7 +38,6 @@ class Target(Protocol):
 class RowOutput:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
-    margins: list[float] = field(default_factory=list)  # target top-2 logit margin per token (if asked)
     ttft_s: float = 0.0
     emit_times: list[float] = field(default_factory=list)  # seconds since submission, per cycle that emitted
     finished_by: str = "length"
@@ -62,11 +61,6 @@ def _clock(device) -> float:
     return time.perf_counter()
 
 
-def _top2_margin(logits: torch.Tensor) -> list[float]:
-    top = torch.topk(logits.float(), 2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
-
-
 def max_len_for(prompts: list[list[int]], max_new_tokens: int, drafter: Drafter) -> int:
     """KV-cache positions a row needs: its prompt, its output, and one padded draft past it."""
     return max(len(p) for p in prompts) + max_new_tokens + drafter.k + 2
@@ -79,7 +73,7 @@ def setup(model: Target, drafter: Drafter, max_batch: int, max_len: int) -> None
 
 
 def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, max_new_tokens: int,
-            eos_ids=(), record_margins: bool = False, t_start: float = 0.0) -> bool:
+            eos_ids=(), t_start: float = 0.0) -> bool:
     """Fill the row's slot with its prompt (one row, no padding), pick its first token and hand
     the drafter the prompt, which resets whatever the slot's previous occupant left there. The
     target's rollback to 0 drops the previous occupant's KV where the cache needs that (llama.cpp);
@@ -100,8 +94,6 @@ def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, 
     row.seq.append(int(tok))
     out = row.out
     out.tokens.append(int(tok))
-    if record_margins:
-        out.margins += _top2_margin(logits)
     out.ttft_s = _clock(dev) - t_start - out.submitted_s
     out.emit_times.append(out.ttft_s)
     if int(tok) in eos_ids:
@@ -135,7 +127,7 @@ def _verify(logits, toks, need, drafts, qs, sp, gen, forced=None) -> list[tuple[
 
 
 def cycle(model: Target, drafter: Drafter, rows: list[Row], sp: SamplingParams, gen, max_new_tokens: int,
-          eos_ids=(), record_margins: bool = False, t_start: float = 0.0, index: int = 0):
+          eos_ids=(), t_start: float = 0.0, index: int = 0):
     """One draft/verify cycle over the rows in flight: the drafter proposes, one target forward
     verifies every row (its last token + its draft, right-padded to the longest), each row keeps
     its accepted prefix and the target's next token, cut at EOS and at max_new_tokens. Appends to
@@ -160,9 +152,8 @@ def cycle(model: Target, drafter: Drafter, rows: list[Row], sp: SamplingParams, 
     logits, feats = logits if drafter.capture else (logits, None)
     t2 = _clock(dev)
     verdicts = _verify(logits, toks_t, need_t, drafts, prop.probs, sp, gen, prop.forced)
-    margins, at = _top2_margin(logits) if record_margins else None, 0  # flat over the rows' verified positions
     old_lens, still = [len(r.seq) for r in rows], []
-    for r, d, (a, new) in zip(rows, drafts, verdicts):
+    for r, (a, new) in zip(rows, verdicts):
         model.rollback(r.slot, len(r.seq) + a)  # its last token and the accepted drafts stay cached
         new = new[: max_new_tokens - len(r.out.tokens)]
         eos = next((j for j, t in enumerate(new) if t in eos_ids), None)
@@ -170,9 +161,6 @@ def cycle(model: Target, drafter: Drafter, rows: list[Row], sp: SamplingParams, 
             new, r.out.finished_by = new[: eos + 1], "eos"
         r.seq += new
         r.out.tokens += new
-        if record_margins:
-            r.out.margins += margins[at : at + len(new)]
-            at += len(d) + 1
         if r.out.finished_by != "eos" and len(r.out.tokens) < max_new_tokens:
             still.append(r)
     drafter.accepted([r.slot for r in rows], old_lens, [a for a, _ in verdicts], feats)
@@ -198,7 +186,6 @@ def generate(
     drafter: Drafter | None = None,
     eos_ids: tuple[int, ...] = (),
     gen: torch.Generator | None = None,
-    record_margins: bool = False,
     trace: bool = True,
 ):
     """Generate for a static batch of prompts (row b in KV slot b). Returns (rows, cycles, wall):
@@ -212,10 +199,10 @@ def generate(
     cycles: list[dict] = []
     t_start = _clock(dev)
     # Prefill row by row (no padding), then cycle over the rows that go on until none does.
-    active = [r for r in rows if prefill(model, drafter, r, sp, gen, max_new_tokens, eos_ids, record_margins, t_start)]
+    active = [r for r in rows if prefill(model, drafter, r, sp, gen, max_new_tokens, eos_ids, t_start)]
     n = 0
     while active:
-        active, records = cycle(model, drafter, active, sp, gen, max_new_tokens, eos_ids, record_margins, t_start, n)
+        active, records = cycle(model, drafter, active, sp, gen, max_new_tokens, eos_ids, t_start, n)
         if trace:
             cycles += records
         n += 1

