@@ -131,16 +131,24 @@ def repeat_tpot_ratios(base_req: pd.DataFrame, spec_req: pd.DataFrame) -> dict:
 
 
 def ratios_by_order(base_req: pd.DataFrame, spec_req: pd.DataFrame, base_goodput: dict, spec_goodput: dict,
-                    first: dict) -> dict:
-    """The repeats' own ratios, TPOT's and goodput's (method over baseline), as a range
-    (goodput_ratio_low/_high) and split by which arm ran first in the repeat (`first`: repeat ->
-    "baseline" or "method"): the median of each order's ratios, so an order effect (the second arm
-    of a pair running on a warmer or a busier machine) shows as two medians apart."""
+                    first: dict, seed: int = 0) -> dict:
+    """The repeats' own ratios, TPOT's and goodput's (method over baseline; goodput per repeat as
+    (requests/s within the SLOs, the run's wall seconds)): goodput's range (goodput_ratio_low/_high)
+    and its 95% interval, a cluster bootstrap over the repeats as speedup's (requests within the
+    SLOs in place of tokens); and each split by which arm ran first in the repeat (`first`: repeat
+    -> "baseline" or "method"): the median of each order's ratios, so an order effect (the second
+    arm of a pair running on a warmer or a busier machine) shows as two medians apart."""
+    from .metrics import paired_speedup
+
     tpot = repeat_tpot_ratios(base_req, spec_req)
-    good = {r: spec_goodput[r] / base_goodput[r] for r in spec_goodput
-            if r in base_goodput and base_goodput[r] > 0 and spec_goodput[r] == spec_goodput[r]}
+    both = [r for r in spec_goodput if r in base_goodput and base_goodput[r][0] > 0 and spec_goodput[r][0] == spec_goodput[r][0]]
+    good = {r: spec_goodput[r][0] / base_goodput[r][0] for r in both}
+    ci = paired_speedup([spec_goodput[r][0] * spec_goodput[r][1] for r in both], [spec_goodput[r][1] for r in both],
+                        [base_goodput[r][0] * base_goodput[r][1] for r in both], [base_goodput[r][1] for r in both],
+                        seed=seed)
     out = {"goodput_ratio_low": min(good.values()) if good else math.nan,
-           "goodput_ratio_high": max(good.values()) if good else math.nan}
+           "goodput_ratio_high": max(good.values()) if good else math.nan,
+           "goodput_ratio_ci_low": ci["speedup_ci_low"], "goodput_ratio_ci_high": ci["speedup_ci_high"]}
     for who in ("baseline", "method"):
         for name, ratios in (("tpot_speedup", tpot), ("goodput_ratio", good)):
             mine = [x for r, x in ratios.items() if first.get(r) == who]

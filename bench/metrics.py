@@ -205,13 +205,12 @@ def speedup_by_order(pairs: pd.DataFrame) -> dict:
 # An A/A control's ratios and the interval each must hold 1.0 in: (ratio, low end, high end).
 AA_INTERVALS = (("speedup", "speedup_ci_low", "speedup_ci_high"),
                 ("tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high"),
-                ("goodput_ratio", "goodput_ratio_low", "goodput_ratio_high"))
+                ("goodput_ratio", "goodput_ratio_ci_low", "goodput_ratio_ci_high"))
 
 
 def aa_verdict(row: dict) -> str:
     """An A/A control's verdict: "holds 1.0" when every ratio's interval it has holds 1.0 (a
-    speedup's 95% bootstrap interval, tpot_speedup's over requests, goodput_ratio's range over
-    repeats), else "excludes 1.0: " and each ratio whose interval does not, with it; "no interval"
+    speedup's, tpot_speedup's and goodput_ratio's 95% bootstrap intervals), else "excludes 1.0: " and each ratio whose interval does not, with it; "no interval"
     when none could be computed (one pair)."""
     bad, seen = [], 0
     for name, lo_key, hi_key in AA_INTERVALS:

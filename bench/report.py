@@ -299,8 +299,8 @@ def _controls(df: pd.DataFrame) -> pd.DataFrame:
 
 AA_COLUMNS = ("backend", "workload", "batch_size", "load_label", "status", "speedup", "speedup_ci_low", "speedup_ci_high",
               "speedup_baseline_first", "speedup_method_first", "pairs_baseline_first", "pairs_method_first",
-              "tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high", "goodput_ratio", "goodput_ratio_low",
-              "goodput_ratio_high", "aa_verdict")
+              "tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high", "goodput_ratio", "goodput_ratio_ci_low",
+              "goodput_ratio_ci_high", "aa_verdict")
 
 
 def controls_markdown(controls: pd.DataFrame) -> list[str]:

@@ -41,8 +41,8 @@ COMMON = ["method=autoregressive", "aa_control=true", "workload=code_edit", "max
           "slo.ttft_ms=3600000", "slo.tpot_ms=3600000", "report=false"]
 COLUMNS = ["backend", "load_label", "batch_size", "status", "speedup", "speedup_ci_low", "speedup_ci_high",
            "speedup_baseline_first", "speedup_method_first", "pairs_baseline_first", "pairs_method_first",
-           "tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high", "goodput_ratio", "goodput_ratio_low",
-           "goodput_ratio_high", "aa_verdict", "baseline_tokens_per_s", "threads", "cpu", "loadavg_start", "job"]
+           "tpot_speedup", "tpot_speedup_ci_low", "tpot_speedup_ci_high", "goodput_ratio", "goodput_ratio_ci_low",
+           "goodput_ratio_ci_high", "goodput_ratio_low", "goodput_ratio_high", "aa_verdict", "baseline_tokens_per_s", "threads", "cpu", "loadavg_start", "job"]
 
 
 def free_port() -> int:
@@ -130,7 +130,7 @@ def render(folder: Path) -> Path:
              "any method is: every ratio must read 1.0 within its interval (docs/metrics.md, \"The A/A control\"). "
              f"{held} of {len(df)} points hold 1.0 in every interval.", "",
              "| engine | point | speedup [95%] | baseline first | method first | tpot_speedup [95%] | goodput ratio "
-             "[range] | baseline tok/s | verdict |",
+             "[95%] | baseline tok/s | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for _, r in df.sort_values(["backend", "load_label", "batch_size"]).iterrows():
         point = f"b{int(r.batch_size)}" if r.load_label == "static" else r.load_label
@@ -138,7 +138,7 @@ def render(folder: Path) -> Path:
                      f"{r.speedup_baseline_first:.3f} ({int(r.pairs_baseline_first)}) | "
                      f"{r.speedup_method_first:.3f} ({int(r.pairs_method_first)}) | "
                      f"{_interval(r, 'tpot_speedup', 'tpot_speedup_ci_low', 'tpot_speedup_ci_high')} | "
-                     f"{_interval(r, 'goodput_ratio', 'goodput_ratio_low', 'goodput_ratio_high')} | "
+                     f"{_interval(r, 'goodput_ratio', 'goodput_ratio_ci_low', 'goodput_ratio_ci_high')} | "
                      f"{r.baseline_tokens_per_s:.1f} | {r.aa_verdict if isinstance(r.aa_verdict, str) else r.status} |")
     lines += ["", "Commands (each run from the repository root):", "", "```bash",
               f"python benchmarks/aa_control.py --out {folder}", *env["commands"], "```", ""]

@@ -149,11 +149,12 @@ def test_load_ratios_by_order_split_the_repeats():
         return pd.DataFrame({"repeat": [r for r, t in enumerate(tpots) for _ in range(2)],
                              "tpot_s": [t for t in tpots for _ in range(2)]})
 
-    got = ratios_by_order(req([0.10, 0.10]), req([0.05, 0.20]), {0: 2.0, 1: 2.0}, {0: 4.0, 1: 1.0},
-                          {0: "baseline", 1: "method"})
+    got = ratios_by_order(req([0.10, 0.10]), req([0.05, 0.20]), {0: (2.0, 10.0), 1: (2.0, 10.0)},
+                          {0: (4.0, 5.0), 1: (1.0, 20.0)}, {0: "baseline", 1: "method"})
     assert got["tpot_speedup_baseline_first"] == 2.0 and got["tpot_speedup_method_first"] == 0.5
     assert got["goodput_ratio_baseline_first"] == 2.0 and got["goodput_ratio_method_first"] == 0.5
     assert (got["goodput_ratio_low"], got["goodput_ratio_high"]) == (0.5, 2.0)
+    assert got["goodput_ratio_ci_low"] <= 1.0 <= got["goodput_ratio_ci_high"]  # 20 within-SLO requests each way
 
 
 def test_an_aa_control_job_on_the_native_engine_runs_both_arms_and_is_reported_as_a_control(tmp_path, tiny_llama):
