@@ -15,13 +15,22 @@ PACKAGES = ("specsweep", "torch", "transformers", "tokenizers", "numpy", "hydra-
 
 
 def cpu_model() -> str:
+    """The CPU as a figure must name it: the model name, and its family, model and widest vector
+    extensions, since hypervisors report several generations alike ("AMD EPYC": Zen 1 to Zen 4)."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    isa = ", ".join(x for x, f in (("AVX-512", "avx512f"), ("AVX2", "avx2"), ("AMX", "amx_tile")) if f in flags)
+    if "AVX-512" in isa:
+        isa = isa.replace(", AVX2", "")
+    where = ", ".join(p for p in (f"family {info['cpu family']} model {info['model']}" if "cpu family" in info else "", isa) if p)
+    return f"{name} ({where})" if where else name
 
 
 def load_average() -> list[float]:

@@ -489,7 +489,7 @@ def load_summary(c, base: Measurement, spec: Measurement, base_req, spec_req, ba
                                     ("baseline_", base, base_req, base_cyc, base_steps)):
         runs = [load.run_metrics(req[req.repeat == r], o.wall_s, slo.get("ttft_ms"), slo.get("tpot_ms"))
                 for r, _, _, o in m.runs]
-        goodput[arm] = {r: (x["goodput_rps"], o.wall_s) for (r, _, _, o), x in zip(m.runs, runs)}
+        goodput[arm] = {r: x["goodput_rps"] for (r, *_), x in zip(m.runs, runs)}
         for key in ("request_throughput", "output_tokens_per_s", "goodput_rps", "slo_met_share"):
             out[arm + key] = float(np.median([x[key] for x in runs])) if runs else math.nan
         for name in ("ttft", "tpot", "e2e"):

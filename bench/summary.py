@@ -177,7 +177,7 @@ class JobSummary(JobKey):
     goodput_ratio: float = col("goodput_rps / baseline_goodput_rps", LOAD)
     goodput_ratio_low: float = col("the lowest of the repeats' own goodput ratios", LOAD)
     goodput_ratio_high: float = col("the highest of the repeats' own goodput ratios", LOAD)
-    goodput_ratio_ci_low: float = col("95% interval of the goodput ratio: a cluster bootstrap over repeats (requests within the SLOs / wall, both arms of a repeat together)", LOAD)
+    goodput_ratio_ci_low: float = col("95% interval of goodput_ratio (a ratio of medians over repeats): a cluster bootstrap over repeats, both arms of a repeat together", LOAD)
     goodput_ratio_ci_high: float = col("its upper end", LOAD)
     tpot_speedup_baseline_first: float = col("median of the TPOT ratios of the repeats whose baseline ran first", AA)
     tpot_speedup_method_first: float = col("median of the TPOT ratios of the repeats whose method ran first", AA)

@@ -37,7 +37,7 @@ ENGINES = {  # engine -> the sweeps (override lists) that cover its points
     "vllm": [STATIC],
     "openai_endpoint": [LOADED],
 }
-COMMON = ["method=autoregressive", "aa_control=true", "workload=code_edit", "max_new_tokens=32", "repeats=4",
+COMMON = ["method=autoregressive", "aa_control=true", "workload=code_edit", "max_new_tokens=32", "repeats=6",
           "slo.ttft_ms=3600000", "slo.tpot_ms=3600000", "report=false"]
 COLUMNS = ["backend", "load_label", "batch_size", "status", "speedup", "speedup_ci_low", "speedup_ci_high",
            "speedup_baseline_first", "speedup_method_first", "pairs_baseline_first", "pairs_method_first",
@@ -81,13 +81,14 @@ def start_llama_servers(logdir: Path, n: int = 2, slots: int = 8) -> list[tuple[
     return servers
 
 
-def run_engine(engine: str, results: Path, extra: list[str], commands: list[str]) -> None:
+def run_engine(engine: str, results: Path, extra: list[str], commands: list[str], swap: bool = False) -> None:
     servers = []
     try:
         backend = [f"backend={engine}"]
-        if engine == "openai_endpoint":
+        if engine == "openai_endpoint":  # swap: the server started second serves the method arm
             servers = start_llama_servers(results)
-            backend += [f"backend.url={servers[0][1]}", f"backend.baseline_url={servers[1][1]}"]
+            url, baseline_url = (servers[1][1], servers[0][1]) if swap else (servers[0][1], servers[1][1])
+            backend += [f"backend.url={url}", f"backend.baseline_url={baseline_url}"]
         for sweep in ENGINES[engine]:
             cmd = ["specsweep", "-m", *backend, *COMMON, *sweep, *extra, f"results_dir={results}", f"sweep_name={engine}"]
             commands.append(" ".join(shlex.quote(x) for x in cmd))
@@ -141,7 +142,10 @@ def render(folder: Path) -> Path:
                      f"{_interval(r, 'goodput_ratio', 'goodput_ratio_ci_low', 'goodput_ratio_ci_high')} | "
                      f"{r.baseline_tokens_per_s:.1f} | {r.aa_verdict if isinstance(r.aa_verdict, str) else r.status} |")
     lines += ["", "Commands (each run from the repository root):", "", "```bash",
-              f"python benchmarks/aa_control.py --out {folder}", *env["commands"], "```", ""]
+              f"python benchmarks/aa_control.py --out {folder}" + (" --swap" if env.get("swap") else ""),
+              *env["commands"], "```", ""]
+    if env.get("note"):
+        lines += [env["note"], ""]
     (folder / "index.md").write_text("\n".join(lines))
     return folder / "index.md"
 
@@ -151,6 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="the measurement folder to write (index.csv, environment.json, index.md)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     ap.add_argument("--render", type=Path, help="only regenerate index.md of this folder from its data")
+    ap.add_argument("--swap", action="store_true", help="openai_endpoint: the method arm on the server started second "
+                    "(a reading that follows the server, not the arm, is the servers' own difference)")
     ap.add_argument("overrides", nargs="*", help="more specsweep overrides for every sweep (e.g. max_new_tokens=16)")
     a = ap.parse_args(argv)
     if a.render:
@@ -166,17 +172,19 @@ def main(argv=None) -> int:
 
     start = snapshot()
     results = Path(tempfile.mkdtemp(prefix="specsweep-aa-"))
+    print(f"results (every job's folder) in {results}", flush=True)
     commands: list[str] = []
     for e in engines:
-        run_engine(e, results, a.overrides, commands)
+        run_engine(e, results, a.overrides, commands, a.swap)
     end = snapshot()
+    (results / "commands.json").write_text(json.dumps(commands))  # kept beside the jobs, should writing below fail
     df = collect(results, engines)
     a.out.mkdir(parents=True, exist_ok=True)
     df.to_csv(a.out / "index.csv", index=False)
     env = {"date": time.strftime("%Y-%m-%d"), "cpu": start["cpu"], "cpu_count": start["cpu_count"],
            "loadavg_start": start["loadavg"], "loadavg_end": end["loadavg"], "git_commit": start["git_commit"],
            "python": start["python"], "packages": start["packages"], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-           "commands": commands, "results": str(results)}
+           "commands": commands, "results": str(results), "swap": a.swap}
     (a.out / "environment.json").write_text(json.dumps(env, indent=1, default=str))
     print(render(a.out))
     held = int((df.get("aa_verdict") == "holds 1.0").sum()) if len(df) else 0
