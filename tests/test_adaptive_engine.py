@@ -91,6 +91,7 @@ def test_bad_policies_are_refused_before_any_model_loads(tmp_path, tiny_llama, p
     assert not list(tmp_path.glob("bad/*/summary.json"))
 
 
+@pytest.mark.full
 def test_an_adaptive_sweep_on_the_default_model(tmp_path):
     r = _specsweep(f"results_dir={tmp_path}", "sweep_name=ad", "method=adaptive", "workload=code_edit", "num_prompts=2",
                    "batch_size=1", "max_new_tokens=32", "repeats=1", "num_speculative_tokens=8", "report=false")

@@ -168,6 +168,7 @@ def test_a_draft_model_that_sat_out_cycles_catches_up(tiny_llama, lazy):
     assert len(drafted) < len(cycles)  # it sat out the others
 
 
+@pytest.mark.full
 def test_speculative_sampling_reproduces_the_target_distribution(tiny_llama, tmp_path):
     """Sampled output of draft/verify (T=1, top_k=2, draft = the target's first 2 of 4 layers
     with its own cache) against the target's exact distribution over the first three tokens:

@@ -321,6 +321,7 @@ def _tiny_sweep(tmp_path, tiny_llama, *extra, method="ngram"):
                "report=false", *extra, timeout=600)
 
 
+@pytest.mark.full
 def test_a_sweep_writes_with_the_users_umask_and_a_same_size_change_is_caught_by_the_hash(tmp_path, tiny_llama):
     """A sweep run under umask 007 (a group-shared file system) writes every result file 0660; a
     byte flipped in place (same size) fails the manifest's hash and the job runs again."""
@@ -338,6 +339,7 @@ def test_a_sweep_writes_with_the_users_umask_and_a_same_size_change_is_caught_by
     assert r.returncode == 0 and "cycles.parquet changed or is truncated" in r.stderr + r.stdout
 
 
+@pytest.mark.full
 def test_a_truncated_result_file_makes_its_job_run_again(tmp_path, tiny_llama):
     assert _tiny_sweep(tmp_path, tiny_llama).returncode == 0
     (job,) = [p.parent for p in (tmp_path / "m").glob("*/summary.json")]
@@ -351,6 +353,7 @@ def test_a_truncated_result_file_makes_its_job_run_again(tmp_path, tiny_llama):
     assert "skip " in r.stderr + r.stdout  # and now complete
 
 
+@pytest.mark.full
 def test_a_damaged_shared_baseline_is_measured_again_under_a_new_id(tmp_path, tiny_llama):
     assert _tiny_sweep(tmp_path, tiny_llama, "baseline=shared").returncode == 0
     (bdir,) = (tmp_path / "m" / "baselines").iterdir()

@@ -21,6 +21,7 @@ def dry(tmp_path_factory):
     return out, r
 
 
+@pytest.mark.full
 def test_every_stage_runs_and_is_recorded(dry):
     out, r = dry
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -49,6 +50,7 @@ def test_every_stage_runs_and_is_recorded(dry):
     assert stages["engines"]["results"]["ran"] == [] or torch.cuda.is_available()
 
 
+@pytest.mark.full
 def test_its_sweeps_are_results_folders_the_report_reads(dry, tmp_path):
     out, r = dry
     assert r.returncode == 0

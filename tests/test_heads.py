@@ -157,6 +157,7 @@ def test_combined_uses_ngram_on_a_match_and_the_head_otherwise_and_stays_greedy_
     assert all(c["drafted"] >= 1 for c in ngram_cycles)
 
 
+@pytest.mark.full
 def test_combined_sampling_reproduces_the_target_distribution(tiny):
     """T=1, top_k=2: combined drafting (n-gram rows propose one-hot drafts, head rows their own
     distribution) against the target's exact distribution over three tokens, chi-square."""

@@ -33,6 +33,7 @@ def _rows(sweep: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
 
 
+@pytest.mark.full
 def test_submitit_runs_the_sweep_in_worker_processes_into_one_folder(tmp_path, tiny_llama):
     r = subprocess.run(_args(tmp_path, tiny_llama, "s", "batch_size=1,2", "max_new_tokens=6"), capture_output=True,
                        text=True, timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -89,6 +90,7 @@ def _check_intact_and_rerun(args, sweep: Path, done_job: Path, done_files: dict,
     assert _files(done_job) == done_files  # skipped by the rerun, not measured again
 
 
+@pytest.mark.full
 def test_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_completes(tmp_path, tiny_llama):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     sweep = tmp_path / "k"
@@ -133,6 +135,7 @@ def ray_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.full
 def test_ray_runs_the_sweep_on_two_workers_into_one_folder(tmp_path, tiny_llama, ray_dir):
     t0 = time.time()
     r = subprocess.run(_ray_args(tmp_path, tiny_llama, "s", ray_dir, "batch_size=1,2", "max_new_tokens=6"),
@@ -156,6 +159,7 @@ def test_ray_runs_the_sweep_on_two_workers_into_one_folder(tmp_path, tiny_llama,
     print(f"ray sweep: {time.time() - t0:.1f} s")
 
 
+@pytest.mark.full
 def test_ray_a_worker_killed_mid_job_leaves_the_rest_intact_and_a_rerun_completes(tmp_path, tiny_llama, ray_dir):
     # max_retries=0: Ray would otherwise run a task whose worker died again (3 times by default),
     # which completes the sweep by itself; here the killed job must stay killed

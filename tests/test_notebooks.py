@@ -5,11 +5,13 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.full
 def test_analysis_notebook_executes(tmp_path, tiny_llama):
     r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=nb", "model=local",
                         f"model.path={tiny_llama}", "method=ngram,draft_model", "++method.draft_layers=2", "workload=chat",

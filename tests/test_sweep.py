@@ -64,6 +64,7 @@ def test_small_real_sweep_end_to_end(tmp_path):
     assert "speedup" in r.stdout and "ngram" in r.stdout  # the printed table
 
 
+@pytest.mark.full
 def test_resume_skips_completed_jobs_and_force_reruns(tmp_path, tiny_llama):
     args = [f"results_dir={tmp_path}", "sweep_name=resume", "model=local", f"model.path={tiny_llama}", "method=ngram",
             "workload=chat", "batch_size=1,2", "num_prompts=2", "max_new_tokens=8", "repeats=1", "report=false"]
@@ -111,6 +112,7 @@ def test_bad_input_anywhere_in_a_sweep_is_refused_before_anything_runs(tmp_path,
     assert "batch_size=4 with num_prompts=2" in r.stderr
 
 
+@pytest.mark.full
 def test_ctrl_c_keeps_completed_jobs(tmp_path, tiny_llama):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=intr", "model=local",
@@ -135,6 +137,7 @@ def test_ctrl_c_keeps_completed_jobs(tmp_path, tiny_llama):
     assert pd.read_parquet(sweep / "index.parquet").shape[0] == len(done)
 
 
+@pytest.mark.full
 def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path, tiny_llama):
     r = specsweep("-m", f"results_dir={tmp_path}", "sweep_name=par", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
                   "model=local", f"model.path={tiny_llama}", "method=ngram,draft_model", "++method.draft_layers=2",
@@ -147,6 +150,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path, tiny_llama):
     assert len(pids) >= 2  # jobs ran in more than one worker process
 
 
+@pytest.mark.full
 def test_report_command(tmp_path, tiny_llama):
     assert specsweep(f"results_dir={tmp_path}", "sweep_name=rep", "model=local", f"model.path={tiny_llama}", "method=ngram",
                      "workload=chat", "batch_size=1", "temperature=0,0.8", "num_prompts=2", "max_new_tokens=6", "repeats=1",

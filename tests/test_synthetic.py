@@ -80,6 +80,7 @@ def test_bad_rates_are_refused_before_any_model_loads(tmp_path):
     assert not list(tmp_path.glob("bad/*/summary.json"))
 
 
+@pytest.mark.full
 def test_a_synthetic_sweep_on_the_default_model_and_a_cost_model_fitted_from_it(tmp_path):
     r = _specsweep(f"results_dir={tmp_path}", "sweep_name=syn", "method=synthetic", "workload=chat", "num_prompts=2",
                    "batch_size=1,2", "max_new_tokens=40", "repeats=1", "num_speculative_tokens=3",

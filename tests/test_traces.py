@@ -52,6 +52,7 @@ def test_traces_predict_what_the_engine_accepted(tiny_llama, method):
             assert acc[i] == min(engine_len, len(gen) - i), (i, acc[i], engine_len)
 
 
+@pytest.mark.full
 def test_trace_command_on_a_job(tmp_path, tiny_llama):
     r = subprocess.run([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=tr", "model=local",
                         f"model.path={tiny_llama}", "method=ngram", "workload=code_edit", "batch_size=1", "num_prompts=2",
