@@ -658,7 +658,7 @@ def _cost_ratios(full: pd.DataFrame, plain: pd.DataFrame, k: int, alpha: float) 
     return {"verify_cost_ratio": r, "draft_cost_ratio": c, "predicted_speedup": metrics.predicted_speedup(alpha, k, c, r)}
 
 
-MAX_NUMERICS_PROBES = 16  # distinct divergences a job asks its engine about (each a few short forwards)
+MAX_NUMERICS_PROBES = 32  # distinct divergences a job asks its engine about (each a few short forwards)
 
 
 def _weigh_divergences(backend: Backend, c: dict, base_req, spec_req, detail: list, job: str) -> dict:
