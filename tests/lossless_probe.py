@@ -33,12 +33,9 @@ def clearest_decision(backend, prompt: list[int], output: list[int], other: int,
 
 
 def native_margins(model, prefix: list[int], preferred: int, other: int, shapes=(1,)) -> list[float]:
-    """The native engine's probe (NativeBackend.margins_across_shapes) on a model loaded directly,
-    as engine-level tests hold one: log p(preferred) - log p(other) after prefix, per batch shape
-    (1: a decode step's)."""
-    from types import SimpleNamespace
+    """The native engine's probe (engine.margins_across_shapes, what NativeBackend answers) on a
+    model loaded directly, as engine-level tests hold one: log p(preferred) - log p(other) after
+    prefix, per batch shape (1: a decode step's)."""
+    from backends.native.engine import margins_across_shapes
 
-    from backends.native.backend import NativeBackend
-
-    engine = SimpleNamespace(cfg=SimpleNamespace(device=model.device), model=model)
-    return NativeBackend.margins_across_shapes(engine, list(prefix), int(preferred), int(other), list(shapes))
+    return margins_across_shapes(model, list(prefix), int(preferred), int(other), list(shapes))

@@ -14,7 +14,7 @@ from .adaptive import AdaptiveDrafter
 from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, NoDrafter,
                        SyntheticDrafter)
 from .heads import default_head_dir, load_head, load_mtp_head
-from .engine import generate, max_len_for, setup
+from .engine import generate, margins_across_shapes, max_len_for, setup
 from .scheduler import serve
 from .loading import load_model
 from .config import NativeConfig
@@ -280,23 +280,7 @@ class NativeBackend(Backend):
         carries them (through the compiled step where the engine runs compiled); 0, the whole
         prefix in one forward. The engine's bf16 logits move with the tokens a forward carries (a
         verify is not a decode on a GPU), which is what the lossless check asks about."""
-        dev, model, L = self.cfg.device, self.model, len(prefix)
-        model.setup_cache(1, L + 1)  # a larger cache already there is kept (engine.setup does the same)
-        slot, out = torch.tensor([0], device=dev), []
-        for n in shapes:
-            n = L if n == 0 else min(n, L)
-            head, tail = prefix[: L - n], prefix[L - n:]
-            model.rollback(0, 0)
-            if head:
-                toks = torch.tensor([head], device=dev)
-                model(toks, torch.arange(len(head), device=dev)[None], rows=slot,
-                      logits_for=torch.zeros_like(toks, dtype=torch.bool))
-            toks = torch.tensor([tail], device=dev)
-            last = torch.zeros_like(toks, dtype=torch.bool)
-            last[0, -1] = True
-            logits = model(toks, (len(head) + torch.arange(n, device=dev))[None], rows=slot, logits_for=last)[-1].float()
-            out.append(float(logits[preferred] - logits[other]))
-        return out
+        return margins_across_shapes(self.model, prefix, preferred, other, shapes)
 
     @torch.inference_mode()
     def draft_predictions(self, sequences, with_probs: bool = False):

@@ -207,3 +207,28 @@ def generate(
             cycles += records
         n += 1
     return [r.out for r in rows], cycles, _clock(dev) - t_start
+
+
+@torch.inference_mode()
+def margins_across_shapes(model: Target, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float]:
+    """logit(preferred) - logit(other) as the next token after prefix (= log p difference), one
+    row in cache slot 0, per shape: n, the prefix's start forwarded first and its last n tokens in
+    one forward (as a verify carries them); 0, the whole prefix in one forward
+    (NativeBackend.margins_across_shapes; the lossless check's probe, never inside a timed run)."""
+    dev, L = model.device, len(prefix)
+    model.setup_cache(1, L + 1)  # a larger cache already there is kept (engine.setup does the same)
+    slot, out = torch.tensor([0], device=dev), []
+    for n in shapes:
+        n = L if n == 0 else min(n, L)
+        head, tail = prefix[: L - n], prefix[L - n:]
+        model.rollback(0, 0)
+        if head:
+            toks = torch.tensor([head], device=dev)
+            model(toks, torch.arange(len(head), device=dev)[None], rows=slot,
+                  logits_for=torch.zeros_like(toks, dtype=torch.bool))
+        toks = torch.tensor([tail], device=dev)
+        last = torch.zeros_like(toks, dtype=torch.bool)
+        last[0, -1] = True
+        logits = model(toks, (len(head) + torch.arange(n, device=dev))[None], rows=slot, logits_for=last)[-1].float()
+        out.append(float(logits[preferred] - logits[other]))
+    return out
