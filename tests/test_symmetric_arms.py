@@ -2,11 +2,14 @@
 sends its engine (request bodies, engine call arguments) is recorded and compared; the two may
 differ only in the speculation settings. (A baseline that also asked for top-2 log-probabilities
 paid +15% a token on llama-server, which inflated every speedup against it.)"""
+from pathlib import Path
+
 import pytest
 
 from backends import serving
 from bench.backend import LoadPlan, Sampling
 
+ROOT = Path(__file__).resolve().parent.parent
 LOGPROB_FIELDS = {"n_probs", "logprobs", "top_logprobs", "return_logprob", "top_logprobs_num"}
 
 
@@ -215,3 +218,21 @@ def test_the_aa_benchmark_page_is_generated_from_its_data(tmp_path):
     assert "| native | b1 | 1.007 [0.980, 1.030] | 1.010 (24) | 1.000 (24) | - | - | 21.5 | holds 1.0 |" in page
     assert "| llamacpp_server | c4 | 0.900 [0.850, 0.950] |" in page and "excludes 1.0: speedup" in page
     assert "specsweep -m backend=native ..." in page
+
+
+def test_the_aa_benchmark_takes_overrides_and_a_subset_of_points():
+    """A setting the user gives replaces the benchmark's own (Hydra refuses one key given twice),
+    and --points load keeps only the engines and sweeps that have concurrency points."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("aa_control", ROOT / "benchmarks" / "aa_control.py")
+    aa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aa)
+    args = aa.with_overrides(aa.COMMON + aa.LOADED, ["repeats=12"])
+    assert "repeats=12" in args and "repeats=6" not in args and len([a for a in args if a.startswith("repeats=")]) == 1
+    assert "batch_size=1" in aa.LOADED  # a load point is one job whatever batch_size the default sweep lists
+    commands = []
+    ran = []
+    aa.subprocess = type("Recorder", (), {"run": staticmethod(lambda cmd, check: ran.append(cmd))})  # record, not run
+    aa.run_engine("llamacpp_server", Path("/tmp/r"), ["repeats=12"], commands, points="load")
+    assert len(ran) == 1 and "load=concurrency" in ran[0] and "repeats=12" in ran[0]
