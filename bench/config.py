@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -34,26 +34,35 @@ class WorkloadConfig:
 
 
 @dataclass
+class SloConfig:
+    # Service levels for goodput under load (requests/s that met both); null = no limit. Set your
+    # own: on a 2-core AMD EPYC the default model's baseline p50 TPOT at concurrency 1 measured
+    # about 30 ms on llama-server and 130 ms on the native engine.
+    ttft_ms: float | None = 2000.0  # time to first token, ms
+    tpot_ms: float | None = 150.0  # time per output token, ms
+
+
+@dataclass
 class SweepConfig:
-    backend: Any = MISSING
-    model: ModelConfig = MISSING
-    method: Any = MISSING
-    workload: Any = MISSING
+    backend: Any = MISSING  # the engine: a config group, one typed node per adapter (below)
+    model: ModelConfig = MISSING  # gemma3_270m (the default) or local with model.path
+    method: Any = MISSING  # the speculative method: conf/method/NAME.yaml, its knobs (below)
+    workload: Any = MISSING  # where prompts come from: conf/workload/NAME.yaml (below)
     load: Any = MISSING  # conf/load: static (batches), concurrency or rate (bench/load.py)
-    slo: Any = None  # {ttft_ms, tpot_ms}: the service levels goodput counts against (null: no limit)
-    batch_size: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    num_speculative_tokens: int = 5
-    max_new_tokens: int = 48
-    num_prompts: int = 4
-    repeats: int = 3
-    warmup: bool = True
-    seed: int = 0
-    results_dir: str = "results"
-    sweep_name: str = "default"
-    force: bool = False
+    slo: SloConfig = field(default_factory=SloConfig)  # the service levels goodput counts against
+    batch_size: int = 1  # requests submitted together (different prompts); under load the load sets the rows
+    temperature: float = 0.0  # sampling temperature; 0 = greedy (the lossless check runs only then)
+    top_p: float = 1.0  # nucleus sampling; 1 = off
+    top_k: int = 0  # top-k sampling; 0 = off
+    num_speculative_tokens: int = 4  # draft length k
+    max_new_tokens: int = 48  # tokens generated per request
+    num_prompts: int = 4  # prompts per job (static batches; under load load.num_requests)
+    repeats: int = 2  # times every batch is measured, each arm; more repeats, a narrower interval
+    warmup: bool = True  # one untimed batch per arm before measuring
+    seed: int = 0  # sampling and prompt-order seed
+    results_dir: str = "results"  # results go to results_dir/sweep_name/
+    sweep_name: str = "default"  # the sweep's folder under results_dir
+    force: bool = False  # rerun jobs that are already complete (otherwise skipped)
     # paired (default): every job measures its own baseline, batch by batch interleaved with the
     # method (which arm goes first alternating), and the speedup's interval is a bootstrap over
     # those pairs. shared: each baseline (same backend, model, workload, batch, sampling, seed,
@@ -158,7 +167,8 @@ def validate(cfg) -> None:
     for key in ("ttft_ms", "tpot_ms"):
         v = (cfg.get("slo") or {}).get(key)
         if v is not None and not (isinstance(v, (int, float)) and v > 0):
-            problems.append(f"slo.{key}={v!r}: use a positive number of milliseconds or null (no limit)")
+            shown = f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+            problems.append(f"slo.{key}={shown}: use a positive number of milliseconds or null (no limit)")
     if static and cfg.num_prompts >= 1 and cfg.batch_size > cfg.num_prompts:
         problems.append(f"batch_size={cfg.batch_size} with num_prompts={cfg.num_prompts}: a batch can hold at most "
                         f"the {cfg.num_prompts} prompts there are; use batch_size <= num_prompts or more prompts")
