@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -21,31 +22,85 @@ log = logging.getLogger("specsweep")
 register_configs()
 
 
+class SweepProgress:
+    """Where a sweep stands: jobs done of the total and the time left at the pace so far. One per
+    sweep process (Hydra's basic launcher runs the jobs one after another in it; launchers that run
+    them elsewhere report per job only)."""
+    total = 0
+    done = 0
+    started = 0.0
+
+    @classmethod
+    def begin(cls, total: int) -> None:
+        cls.total, cls.done, cls.started = total, 0, time.monotonic()
+
+    @classmethod
+    def label(cls) -> str:
+        if not cls.total:
+            return ""
+        text = f"job {min(cls.done + 1, cls.total)}/{cls.total}"
+        if cls.done:
+            left = (time.monotonic() - cls.started) / cls.done * (cls.total - cls.done)
+            text += f", about {_duration(left)} left"
+        return text
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60} h {m % 60} min" if m >= 60 else f"{m} min {s} s" if m else f"{s} s"
+
+
 def _progress_factory(name: str, total: int):
+    """The current job's batches: a bar on a terminal, a log line per batch elsewhere (CI logs)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    tty = sys.stderr.isatty()
+    where = SweepProgress.label()
     prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    transient=False, disable=not sys.stderr.isatty())
+                    transient=False, disable=not tty)
     prog.start()
-    task = prog.add_task(name[:60], total=total)
+    task = prog.add_task((f"[{where}] " if where else "") + name[:60], total=total)
 
     def step(n: int = 1, close: bool = False):
         if close:
             prog.stop()
         else:
             prog.advance(task, n)
-            if not sys.stderr.isatty():
+            if not tty:
                 done = int(prog.tasks[0].completed)
-                log.info("%s: %d/%d batches measured", name, done, total)
+                log.info("%s%s: %d/%d batches measured", f"[{where}] " if where else "", name, done, total)
 
     return step
 
 
-def print_table(df, title: str = "specsweep") -> None:
+# The CLI table's short headers, one legend line explaining them (every column: docs/columns.md).
+SHORT = {"backend": "engine", "batch_size": "batch", "temperature": "T", "speedup": "speedup [95%]",
+         "acceptance_rate": "alpha", "mean_acceptance_length": "tau",
+         "verify_fraction": "verify", "draft_fraction": "draft", "baseline_roofline_share": "roofline",
+         "load_label": "load", "tpot_speedup": "TPOT x", "goodput_rps": "goodput", "baseline_goodput_rps": "goodput off",
+         "aa_verdict": "A/A"}
+LEGEND = ("alpha: acceptance rate; tau: mean acceptance length; verify, draft: share of decode time; roofline: "
+          "baseline step against its weight-read time (below 50% flagged); TPOT x: TPOT speedup under load; "
+          "every column: docs/columns.md")
+PERCENT = {"verify_fraction": 0, "draft_fraction": 1, "baseline_roofline_share": 0}
+
+
+def _table_width() -> int:
+    """120 by default, whatever the terminal (a table that fits any common terminal and CI log);
+    COLUMNS=N asks for N."""
+    import os
+
+    try:
+        return max(60, int(os.environ["COLUMNS"]))
+    except (KeyError, ValueError):
+        return 120
+
+
+def print_table(df, title: str = "specsweep", width: int | None = None) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title)
     cols = [c for c in TABLE_COLUMNS if c in df.columns]
     if "load_kind" in df.columns and (df.load_kind.fillna("static") != "static").any():
         # load points: the level says what ran (batch_size is the rows the engine was given)
@@ -54,9 +109,17 @@ def print_table(df, title: str = "specsweep") -> None:
     aa = df.aa_control.fillna(False).astype(bool) if "aa_control" in df.columns else None
     if aa is not None and aa.any():  # A/A controls: whether each reads 1.0 within its intervals
         cols.append("aa_verdict")
+    # a column with one value in every row goes to the caption instead (engine, T, status, ...)
+    same = [c for c in cols if c in ("backend", "temperature", "status", "lossless", "load_label")
+            and len(df) > 1 and df[c].astype(str).nunique() == 1]
+    cols = [c for c in cols if c not in same]
+    t = Table(title=title, caption=" · ".join(f"{SHORT.get(c, c)} {df[c].iloc[0]}" for c in same) or None,
+              caption_justify="left", box=box.SIMPLE_HEAD)
     for c in cols:
-        t.add_column(c, justify="right" if c not in ("backend", "method", "workload", "status", "lossless", "load_label")
-                     else "left")
+        t.add_column(SHORT.get(c, c), justify="right" if c not in ("backend", "method", "workload", "status",
+                                                                    "lossless", "load_label", "aa_verdict") else "left",
+                     no_wrap=True)
+    verdicts = []
     for _, r in df.sort_values([c for c in ("workload", "method", "load_kind", "load_level", "batch_size")
                                 if c in df.columns]).iterrows():
         cells = []
@@ -67,12 +130,22 @@ def print_table(df, title: str = "specsweep") -> None:
                 cells.append(f"{v:.2f} [{lo:.2f}, {hi:.2f}]" if lo == lo and hi == hi and lo is not None else f"{v:.2f}")
             elif c == "method" and r.get("aa_control") is True:
                 cells.append(f"{v} (A/A)")
+            elif c == "aa_verdict" and isinstance(v, str):
+                cells.append("holds" if v.startswith("holds") else "EXCLUDES")
+                if not v.startswith("holds"):
+                    verdicts.append(f"{r.get('job')}: {v}")
+            elif c in PERCENT and isinstance(v, float):
+                cells.append("-" if v != v else f"{100 * v:.{PERCENT[c]}f}%")
             elif isinstance(v, float):
-                cells.append("-" if v != v else f"{v:.3f}")
+                cells.append("-" if v != v else f"{v:.2f}")
             else:
                 cells.append("-" if v is None else str(v))
         t.add_row(*cells)
-    Console(width=200).print(t)
+    console = Console(width=width or _table_width(), soft_wrap=False)
+    console.print(t)
+    console.print(LEGEND, style="dim")
+    for line in verdicts:
+        console.print(line)
 
 
 class SweepSummary(Callback):
@@ -85,8 +158,16 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from .sweeper import check_sweep
 
-        check_sweep(config)  # every job, before any runs: bad input anywhere is exit 2 and nothing runs
+        jobs = check_sweep(config)  # every job, before any runs: bad input anywhere is exit 2 and nothing runs
         SweepSummary.checked = True
+        SweepProgress.begin(jobs or 0)
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        if SweepProgress.total:
+            SweepProgress.done += 1
+            left = SweepProgress.label().partition(", ")[2] if SweepProgress.done < SweepProgress.total else "done"
+            log.info("sweep: %d/%d jobs done (%s elapsed%s)", SweepProgress.done, SweepProgress.total,
+                     _duration(time.monotonic() - SweepProgress.started), f", {left}" if left else "")
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         SweepSummary.checked = True

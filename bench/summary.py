@@ -235,8 +235,8 @@ def checked_row(row: dict) -> dict:
 
 # --- views: which columns each output shows, in its order -----------------------------------------
 TABLE_COLUMNS = ("backend", "method", "workload", "batch_size", "temperature", "status", "speedup", "acceptance_rate",
-                 "mean_acceptance_length", "tokens_per_forward", "verify_fraction", "draft_fraction",
-                 "baseline_roofline_share", "lossless")  # the CLI's table after a sweep
+                 "mean_acceptance_length", "verify_fraction", "draft_fraction",
+                 "baseline_roofline_share", "lossless")  # the CLI's table after a sweep (120 columns)
 REPORT_COLUMNS = ("method", "workload", "batch_size", "temperature", "num_speculative_tokens", "status", "speedup",
                   "speedup_ci_low", "speedup_ci_high", "predicted_speedup", "acceptance_rate", "mean_acceptance_length",
                   "tokens_per_forward", "verify_fraction", "draft_fraction", "verify_cost_ratio", "draft_cost_ratio",

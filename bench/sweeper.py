@@ -29,7 +29,9 @@ def sweep_jobs(config) -> list[list[str]]:
     return [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
-def check_sweep(config) -> None:
+def check_sweep(config) -> int | None:
+    """Check every job of the multirun (exit 2 on bad input); the number of jobs, or None where
+    another sweeper expands them."""
     from hydra.core.global_hydra import GlobalHydra
 
     from .methods import method_schemas
@@ -37,7 +39,7 @@ def check_sweep(config) -> None:
 
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         log.info("sweeper %s: its jobs are checked one by one as they start", config.hydra.sweeper.get("_target_"))
-        return
+        return None
     loader = GlobalHydra.instance().config_loader()
     jobs = sweep_jobs(config)
     problems = []
@@ -65,3 +67,4 @@ def check_sweep(config) -> None:
         log.warning("method.%s is a knob of %s, which this sweep does not run: every job ignores it (%s); each row "
                     "lists it in method_ignored_keys", k, ", ".join(owners), ", ".join(sorted(ignored[k])))
     log.info("checked %d jobs before running any", len(jobs))
+    return len(jobs)

@@ -50,3 +50,45 @@ def test_the_views_are_declared_columns_and_the_tools_read_them():
     assert gate.RECORDED is summary.GATE_RECORDED and set(gate.NUMERIC) <= set(gate.RECORDED)
     with pytest.raises(ValueError, match="not declared"):
         JobSummary.from_row({**KEY, "no_such_column": 1})
+
+
+def _default_sweep_rows(n_backends: int = 1):
+    import itertools
+
+    import pandas as pd
+
+    rows = []
+    for backend, wl, method, b in itertools.product(["native", "llamacpp_server"][:n_backends], ["code_edit", "chat"],
+                                                     ["ngram", "draft_model"], [1, 4]):
+        rows.append(dict(backend=backend, method=method, workload=wl, batch_size=b, temperature=0.0, status="ok",
+                         speedup=2.413, speedup_ci_low=2.261, speedup_ci_high=12.56, acceptance_rate=0.853,
+                         mean_acceptance_length=4.39, tokens_per_forward=4.1, verify_fraction=0.97,
+                         draft_fraction=0.005, baseline_roofline_share=0.6, lossless="true", job=f"{backend}-{method}"))
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("n_backends", [1, 2])
+def test_the_cli_table_fits_120_columns_one_line_a_row(capsys, monkeypatch, n_backends):
+    from bench.cli import print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    df = _default_sweep_rows(n_backends)
+    print_table(df, title="specsweep: results/default")
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 120, "\n".join(lines)
+    body = [line for line in lines if "ngram" in line or "draft_model" in line]
+    assert len(body) == len(df), "a row wrapped onto a second line:\n" + "\n".join(lines)
+    head = next(line for line in lines if "speedup [95%]" in line)
+    for short in ("alpha", "tau", "verify", "draft", "roofline"):
+        assert short in head
+    assert any(line.startswith("alpha: acceptance rate") for line in lines)  # the legend
+    if n_backends == 1:  # one engine, one temperature: said once under the table, not in every row
+        assert any("engine native" in line for line in lines) and "engine" not in head
+
+
+def test_the_cli_table_is_wider_on_request(capsys, monkeypatch):
+    from bench.cli import print_table
+
+    monkeypatch.setenv("COLUMNS", "200")
+    print_table(_default_sweep_rows(2), title="x" * 190)
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) > 120
