@@ -16,6 +16,7 @@ chunk; not streamed, e2e less the server's own generation time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds,
@@ -67,7 +68,10 @@ class Endpoint:
             self.llama = props.status_code == 200 and "total_slots" in props.text
             self.slots = props.json().get("total_slots") if self.llama else None
             if self.llama:
-                self.model = None
+                self.model = None  # llama-server serves one model and takes no name in a request
+                info = props.json()
+                path = info.get("model_alias") or info.get("model_path") or ""
+                self.served = Path(path).stem if path else None
             else:
                 models = httpx.get(url + "/v1/models", timeout=cfg.connect_timeout_s)
                 if models.status_code != 200:
@@ -77,6 +81,7 @@ class Endpoint:
                 if cfg.model and cfg.model not in names:
                     raise ValueError(f"backend.model={cfg.model!r} is not served at {url}; it serves {', '.join(names)}")
                 self.model = cfg.model or names[0]
+                self.served = self.model
         except httpx.HTTPError as e:
             raise ValueError(f"backend.{role}={url}: no server answers there ({type(e).__name__}: {e}); start it, or "
                              "fix the URL") from e
@@ -158,8 +163,24 @@ class OpenAIEndpointBackend(Backend):
         sc = None
         if spec and e.counter_names:
             delta = counter_delta(before, e.counters())
+            self._check_k(e, delta)
             sc = spec_counters(delta, e.counter_names, self.k)
         return BatchOutput(reqs, wall, None, spec_counters=sc)
+
+    def _check_k(self, e: Endpoint, delta: dict) -> None:
+        """num_speculative_tokens must be the deployment's k: it sizes the per-position record, so
+        a smaller one would cut accepted drafts off it and a larger one would count positions the
+        deployment never drafts. Checked where the server's per-position counter says: one label
+        per position it drafts (vLLM), or accepted drafts at a position beyond k."""
+        per = [float(x) for x in delta.get(e.counter_names.accepted_per_position, [])] \
+            if e.counter_names.accepted_per_position else []
+        beyond = [j + 1 for j, x in enumerate(per) if j >= self.k and x > 0]
+        if beyond or (per and e.counter_names.positions_are_k and len(per) != self.k):
+            k = max(beyond) if beyond else len(per)
+            raise SettingError(f"num_speculative_tokens={self.k}, but the deployment at {e.url} drafts "
+                               f"{'at least ' if beyond else ''}{k} tokens a cycle (its per-position acceptance "
+                               f"counter says so): set num_speculative_tokens={k}, the deployment's own k, so the "
+                               "per-position acceptance counts every position it drafts")
 
     def margins_across_shapes(self, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float] | None:
         """A llama-server baseline scores the prefix (serving.llama_margins_across_shapes); other
@@ -172,7 +193,7 @@ class OpenAIEndpointBackend(Backend):
     def describe(self) -> dict:
         s, b = self.servers[True], self.servers[False]
         return {"engine": f"running deployment ({'llama-server' if s.llama else 'OpenAI-compatible server'})",
-                "url": s.url, "baseline_url": b.url, "served_model": s.model, "protocol": s.protocol,
+                "url": s.url, "baseline_url": b.url, "served_model": s.served, "protocol": s.protocol,
                 "slots": s.slots, "drafter": self.method.get("name") + " (as declared for the deployment)",
                 "acceptance_source": ("/metrics counter deltas" if s.counter_names else
                                       "per-request draft counts" if s.llama else "unavailable: no speculative counters"),

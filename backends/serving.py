@@ -316,6 +316,9 @@ class CounterNames:
     accepted_tokens: str
     accepted_per_position: str | None = None
     extra: tuple[str, ...] = ()
+    # the per-position counter has one label per position the engine drafts, from its start
+    # (vLLM registers positions 0..k-1), so its length is the engine's k
+    positions_are_k: bool = False
 
     def names(self) -> tuple[str, ...]:
         return tuple(n for n in (self.drafts, self.draft_tokens, self.accepted_tokens, self.accepted_per_position)
@@ -324,7 +327,7 @@ class CounterNames:
 
 VLLM_COUNTERS = CounterNames("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                              "vllm:spec_decode_num_accepted_tokens_total",
-                             "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+                             "vllm:spec_decode_num_accepted_tokens_per_pos_total", positions_are_k=True)
 LLAMA_SERVER_COUNTERS = CounterNames("llamacpp:spec_decode_num_drafts_total",
                                      "llamacpp:spec_decode_num_draft_tokens_total",
                                      "llamacpp:spec_decode_num_accepted_tokens_total",

@@ -272,7 +272,9 @@ class Backend(abc.ABC):
         """Where the engine may keep files of this job (server logs): the job's folder."""
 
     def describe(self) -> dict:
-        """Versions, device, dtype, threads, drafter description: written with every result."""
+        """Versions, device, dtype, threads, drafter description: written with every result. An
+        engine that serves a model of its own choosing (a running deployment) names it as
+        `served_model`, and the row's `model` is that name instead of the config's."""
         return {}
 
     def close(self) -> None:

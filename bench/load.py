@@ -48,6 +48,12 @@ def check(load: dict) -> list[str]:
             problems.append(f"load.max_rows={load.get('max_rows')!r}: use 1 or more rows (the engine's slots)")
     if kind != "static" and not (isinstance(load.get("num_requests"), int) and load["num_requests"] >= 1):
         problems.append(f"load.num_requests={load.get('num_requests')!r}: use 1 or more requests per load run")
+    elif kind == "concurrency" and isinstance(load.get("level"), int) and load["num_requests"] < load["level"]:
+        # fewer requests than the level: the loop never holds that many in flight, and the point
+        # would be labelled with a concurrency it never ran at
+        problems.append(f"load.num_requests={load['num_requests']} with load.level={load['level']}: concurrency "
+                        f"{load['level']} never has {load['level']} requests in flight; use load.num_requests >= "
+                        f"{load['level']} (2-4 times the level holds it for most of the run)")
     return problems
 
 

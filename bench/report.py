@@ -210,6 +210,23 @@ def plot_latency_vs_throughput(df, out: Path) -> Path | None:
     return save(fig, out, "latency_vs_throughput")
 
 
+def _crossover_verdict(r, metric: str) -> str:
+    """One crossover row (bench.load.crossover) in words: up to which level SD pays by `metric`."""
+    unit = "concurrency" if r.load_kind == "concurrency" else "rate"
+    if r.pays_up_to != r.pays_up_to:
+        verdict = f"off at every {unit} measured ({r.levels})"
+    elif r.stops_paying_at != r.stops_paying_at:
+        verdict = f"on: pays at every {unit} measured, up to {r.pays_up_to:g}"
+    else:
+        verdict = f"on up to {unit} {r.pays_up_to:g}, off from {r.stops_paying_at:g}"
+    return (verdict + ("" if r.clean else " (the curve crosses 1 more than once: noisy, rerun with more repeats)")
+            + f"; {metric} {r[metric]} at {r.levels}"
+            + (f"; at {', '.join(f'{x:g}' for x in r.straddles)} the repeats' range holds 1 (not counted as paying)"
+               if r.straddles else "")
+            + (f"; at {', '.join(f'{x:g}' for x in r.uncertain)} every repeat paid but the 95% interval "
+               "holds 1 (more requests a level would settle it)" if r.uncertain else ""))
+
+
 def load_markdown(df: pd.DataFrame) -> list[str]:
     """The load points' table and the crossover: per engine, method and workload the highest
     level at which SD still improved p50 TPOT."""
@@ -228,21 +245,13 @@ def load_markdown(df: pd.DataFrame) -> list[str]:
              "throughput ratio; goodput = requests/s within the SLOs (docs/metrics.md).", "",
              markdown_table(d.sort_values(["backend", "method", "workload", "load_kind", "load_level"]), cols), "",
              "### Where speculation stops paying", ""]
+    by_goodput = {tuple(r[k] for k in ("backend", "method", "workload", "load_kind")): r
+                  for _, r in crossover(d, "goodput_ratio").iterrows()} if "goodput_ratio" in d else {}
     for _, r in crossover(d).iterrows():
-        unit = "concurrency" if r.load_kind == "concurrency" else "rate"
-        if r.pays_up_to != r.pays_up_to:
-            verdict = f"off at every {unit} measured ({r.levels})"
-        elif r.stops_paying_at != r.stops_paying_at:
-            verdict = f"on: pays at every {unit} measured, up to {r.pays_up_to:g}"
-        else:
-            verdict = f"on up to {unit} {r.pays_up_to:g}, off from {r.stops_paying_at:g}"
-        lines.append(f"- {r.backend}/{r.method} on {r.workload}: {verdict}"
-                     + ("" if r.clean else " (the curve crosses 1 more than once: noisy, rerun with more repeats)")
-                     + f"; TPOT speedups {r.tpot_speedup} at {r.levels}"
-                     + (f"; at {', '.join(f'{x:g}' for x in r.straddles)} the repeats' range holds 1 (not counted as paying)"
-                        if r.straddles else "")
-                     + (f"; at {', '.join(f'{x:g}' for x in r.uncertain)} every repeat paid but the 95% interval over "
-                        "requests holds 1 (more requests a level would settle it)" if r.uncertain else ""))
+        lines.append(f"- {r.backend}/{r.method} on {r.workload}: by TPOT, {_crossover_verdict(r, 'tpot_speedup')}")
+        g = by_goodput.get((r.backend, r.method, r.workload, r.load_kind))
+        if g is not None:  # goodput counts requests within the SLOs: it can stop paying at another level
+            lines.append(f"  - by goodput (requests/s within the SLOs), {_crossover_verdict(g, 'goodput_ratio')}")
     return lines + [""]
 
 

@@ -239,6 +239,9 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
         backend.set_artifact_dir(jdir)
         phase = "measure"
         row.update(_measure(backend, c, prompts, root, jdir, progress_factory, probes))
+        served = (row.get("engine") or {}).get("served_model")
+        if served:  # an engine serving a model of its own (a running deployment): the row names that model
+            row["model"] = served
         row["status"] = "ok"
     except WorkloadUnavailable as e:
         row.update(status="skipped", error=str(e))

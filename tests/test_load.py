@@ -121,6 +121,8 @@ def test_the_running_batch_comes_from_the_trace_else_the_engines_decode_steps():
     (["load=concurrency", "+load.burstiness=2"], "load.burstiness is not a setting of load=concurrency; valid: kind, level, num_requests"),
     (["load=concurrency", "baseline=shared"], "baseline=shared with load=concurrency: a load point is measured paired"),
     (["slo.tpot_ms=-5"], "slo.tpot_ms=-5: use a positive number of milliseconds or null"),
+    (["load=concurrency", "load.level=32", "load.num_requests=16"],
+     "load.num_requests=16 with load.level=32: concurrency 32 never has 32 requests in flight; use load.num_requests >= 32"),
 ])
 def test_bad_load_settings_name_the_value_and_what_is_valid(overrides, expected):
     with pytest.raises(ConfigError) as e:
@@ -226,3 +228,19 @@ def test_llama_cpp_in_process_serves_load_through_the_native_scheduler(tmp_path)
     assert cyc.batch_rows.max() == 2 and cyc[cyc.run == "spec"].drafted.sum() > 0
     assert 0 < row["mean_running_batch"] <= 2 and row["tpot_speedup"] > 0
     assert row["lossless"] in ("true", "false") and (row["lossless"] == "false") == (row["lossless_divergences"] > 0)
+
+
+def test_the_report_gives_a_goodput_crossover_beside_the_tpot_one():
+    """TPOT speedup and goodput can stop paying at different levels (goodput counts requests within
+    the SLOs): the report says each."""
+    from bench.report import load_markdown
+
+    rows = []
+    for level, tpot, good in ((1, 2.0, 1.5), (4, 1.6, 0.9), (8, 1.3, 0.7)):
+        rows.append(dict(backend="native", method="ngram", workload="code_edit", load_kind="concurrency",
+                         load_level=level, load_label=f"c{level}", status="ok", tpot_speedup=tpot,
+                         tpot_speedup_low=tpot - 0.1, tpot_speedup_high=tpot + 0.1, goodput_ratio=good,
+                         goodput_ratio_low=good - 0.05, goodput_ratio_high=good + 0.05))
+    text = "\n".join(load_markdown(pd.DataFrame(rows)))
+    assert "by TPOT, on: pays at every concurrency measured, up to 8" in text
+    assert "by goodput (requests/s within the SLOs), on up to concurrency 1, off from 4" in text

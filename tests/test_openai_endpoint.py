@@ -96,6 +96,8 @@ def test_a_sweep_of_load_points_against_running_llama_servers(llama_servers, tmp
     c = row["engine_counters"]  # from llama-server's /metrics, around each load run
     assert c["drafts"] > 0 and 0 < c["accepted_tokens"] <= c["draft_tokens"] and len(c["accepted_per_position"]) == 4
     assert row["engine"]["protocol"] == "llama_completion" and row["engine"]["slots"] == 2
+    # the row names the model the deployment serves (its GGUF), not specsweep's default model group
+    assert row["model"] == row["engine"]["served_model"] == "gemma-3-270m-q4_k_m"
     assert row["ttft_source"] == "client" and row["tpot_speedup"] > 0
     # SLOs no request can miss (above): every request counts, whatever this machine's speed
     assert row["goodput_rps"] == row["request_throughput"] > 0
@@ -218,3 +220,31 @@ def test_an_aa_control_is_refused_with_a_speculating_method_or_an_odd_count_of_p
     with pytest.raises(ConfigError, match=r"repeats=1 gives 1 pair\(s\) \(1 per repeat\)"):
         validate(cfg("method=autoregressive", "num_prompts=4", "batch_size=4", "repeats=1"))
     validate(cfg("method=autoregressive", "num_prompts=4", "batch_size=2", "repeats=1"))  # 2 batches: 2 pairs
+
+
+@pytest.mark.parametrize("names, per_position, k, message", [
+    ("vllm", [5, 3, 1], 4, "drafts 3 tokens a cycle"),  # vLLM labels each position it drafts: its k is 3
+    ("vllm", [5, 3, 1, 0, 0], 4, "drafts 5 tokens a cycle"),
+    ("llama", [5, 3, 1, 1, 1, 0], 4, "drafts at least 5 tokens a cycle"),  # an accepted draft at position 5
+    ("vllm", [5, 3, 1, 0], 4, None),
+    ("llama", [5, 3, 0, 0, 0, 0, 0, 0], 4, None),  # a longer vector of zeros says nothing of its k
+])
+def test_k_is_checked_against_what_the_deployment_reports(names, per_position, k, message):
+    """num_speculative_tokens sizes the per-position record: a deployment drafting another k is
+    refused with its own k named, where its counters tell."""
+    from types import SimpleNamespace
+
+    from backends.serving import LLAMA_SERVER_COUNTERS, VLLM_COUNTERS
+    from bench.backend import SettingError
+
+    counters = VLLM_COUNTERS if names == "vllm" else LLAMA_SERVER_COUNTERS
+    b = OpenAIEndpointBackend.__new__(OpenAIEndpointBackend)
+    b.k = k
+    e = SimpleNamespace(url="http://gpu-box:8000", counter_names=counters)
+    delta = {counters.accepted_per_position: per_position}
+    if message is None:
+        b._check_k(e, delta)
+    else:
+        with pytest.raises(SettingError, match=message) as err:
+            b._check_k(e, delta)
+        assert f"num_speculative_tokens={k}" in str(err.value) and "http://gpu-box:8000" in str(err.value)
