@@ -1,0 +1,125 @@
+"""Docs that cannot drift: the site builds strict, every figure a page quotes equals its data, the
+reference pages are what the code declares, every `specsweep` command a page shows composes with
+the real config (no key that does not exist), and the README stays a guide (<= 250 lines)."""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from bench import published
+from bench.cli import CONF_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def bash_blocks(path: Path) -> list[tuple[str, str]]:
+    """(the comment line right above it or "", the block's text) for every ```bash block."""
+    text = path.read_text()
+    return [(m.group(1) or "", m.group(2)) for m in
+            re.finditer(r"(?:(<!--[^\n]*-->)\n)?```bash\n(.*?)```", text, re.S)]
+
+
+def specsweep_commands(block: str) -> list[list[str]]:
+    """Each `specsweep ...` command of a block, split into words (continuations joined, comments cut)."""
+    text = re.sub(r"\\\n\s*", " ", block)
+    out = []
+    for line in text.splitlines():
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            if words and words[0] == "specsweep":
+                out.append(words[1:])
+    return out
+
+
+def documented_overrides() -> list[tuple[str, list[str]]]:
+    out = []
+    for page in PAGES:
+        for _, block in bash_blocks(page):
+            for words in specsweep_commands(block):
+                overrides = [w for w in words if "=" in w and not w.startswith(("-", "hydra", "+hydra", "++hydra"))]
+                # a swept list: its first value stands for the rest (each is composed the same way)
+                where = f"{page.relative_to(ROOT)}: specsweep {' '.join(words)}"
+                # a swept list: each of its values composed, the other lists at their first value
+                lists = {i: o.split("=", 1)[1].split(",") for i, o in enumerate(overrides)
+                         if "," in o and "[" not in o}
+                first = [o.split("=", 1)[0] + "=" + lists[i][0] if i in lists else o for i, o in enumerate(overrides)]
+                out.append((where, first))
+                for i, values in lists.items():
+                    for v in values[1:]:
+                        out.append((where, first[:i] + [overrides[i].split("=", 1)[0] + "=" + v] + first[i + 1:]))
+    return out
+
+
+def test_readme_is_a_guide_not_a_log():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail into docs/ (a page per task)"
+
+
+def test_site_builds_in_strict_mode(tmp_path):
+    r = subprocess.run(["mkdocs", "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
+                       capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1", "PATH": shutil.os.environ["PATH"]})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
+
+
+def test_every_quoted_figure_equals_its_data():
+    r = subprocess.run([sys.executable, "-m", "bench.published", "fill", "--check", "README.md", "docs"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, (r.stdout + r.stderr) + "\nrun: python -m bench.published fill README.md docs"
+
+
+def test_a_marker_fails_on_a_figure_the_data_does_not_have(tmp_path):
+    with pytest.raises(published.MarkerError, match="no column 'speedupp'"):
+        published.fill_text("<!-- figure 2026-12-06-aa-control speedupp where backend=native batch_size=1 -->"
+                            "x<!-- /figure -->")
+    with pytest.raises(published.MarkerError, match="known:"):
+        published.fill_text("<!-- table no-such-run speedup --><!-- /table -->")
+
+
+def test_a_changed_figure_is_caught_as_drift():
+    page = ("<!-- figure 2026-12-06-aa-control speedup:.3f where backend=native batch_size=1 -->"
+            "1.5<!-- /figure -->")
+    assert published.fill_text(page) != page
+    assert published.fill_text(published.fill_text(page)) == published.fill_text(page)
+
+
+def test_reference_pages_are_what_the_code_declares():
+    r = subprocess.run([sys.executable, "-m", "bench.reference", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_setting_has_one_default():
+    """conf/config.yaml sets only the sweep: a top-level key with a default there as well as in
+    SweepConfig would be two defaults that can disagree."""
+    import yaml
+
+    from bench.config import SweepConfig
+
+    root = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())
+    twice = set(root) & set(SweepConfig.__dataclass_fields__)
+    assert not twice, f"declared in conf/config.yaml and in SweepConfig: {sorted(twice)}"
+
+
+@pytest.mark.parametrize("where, overrides", documented_overrides(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_documented_command_names_real_keys(where, overrides):
+    """Composed with the real config: a key that does not exist, a group option that does not, or a
+    value of the wrong type for a typed setting fails here, as it would for the user."""
+    from bench.config import unknown_key_problems
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    assert not unknown_key_problems(cfg), where
+
+
+def test_documented_commands_were_found():
+    found = documented_overrides()
+    assert len(found) >= 20, found
+    assert any("aa_control=true" in o for _, ov in found for o in ov)
