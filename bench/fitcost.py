@@ -102,7 +102,8 @@ def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
              "overhead_per_step": float(cycles.t_other.median()), "switching_cost": 0.0, "drafters": {},
              "fit": {"target": {"cycles": len(cycles), "relative_rms_error": err, "r2": r2}}}
     mixed = cycles.mixed_drafters if "mixed_drafters" in cycles else False
-    for m, g in cycles[(cycles.method != "autoregressive") & (cycles.kmax > 0) & ~mixed].groupby("method"):
+    drafts = (cycles.drafter if "drafter" in cycles else cycles.method.map(drafter_kind)) != "none"  # not a plain step
+    for m, g in cycles[drafts & (cycles.kmax > 0) & ~mixed].groupby("method"):
         kind = g.drafter.iloc[0] if "drafter" in g else drafter_kind(m)
         if kind in ("lookup", "synthetic"):  # no model forward: its drafting time is a share of the verify's
             model["drafters"][m] = {"kind": "relative", "fraction": float((g.t_draft / g.t_verify).median())}

@@ -132,6 +132,22 @@ def drafter_kind(method) -> str:
                      f"{', '.join(DRAFTER_KINDS)})")
 
 
+def speculates(method) -> bool:
+    """Whether a method drafts at all (its config's `speculative`), from its config or its name."""
+    cfg = method if not isinstance(method, str) else _method_configs().get(method, {"speculative": True})
+    return bool(cfg.get("speculative", True))
+
+
+def speculative_rows(df):
+    """A mask of the result rows whose method speculates: each row's `speculative` (its method's
+    config, recorded with the row), or for rows written before that column, its method's config."""
+    by_config = df["method"].map(speculates) if "method" in df.columns else True
+    if "speculative" not in df.columns:
+        return by_config if "method" in df.columns else df.index == df.index
+    recorded = df["speculative"]
+    return recorded.where(recorded.notna(), by_config).astype(bool)
+
+
 def is_lookup(method) -> bool:
     """A drafter that runs no model (n-gram, suffix): cheap to draft, cost a share of the verify."""
     return drafter_kind(method) == "lookup"
@@ -188,6 +204,14 @@ def conditional_rates(rates: list[float]) -> list[float]:
 def method_defaults(name: str) -> dict:
     """conf/method/<name>.yaml as a dict ({} for a method without one)."""
     return dict(_method_configs().get(name, {}))
+
+
+def knobs(name: str, given: dict) -> dict:
+    """The knobs a drafter of method `name` runs with: its conf/method/<name>.yaml (the one place
+    each default is written), overridden by those given (a job's method config; for a mixed
+    drafter's sub-drafter, the mixed method's). Adapters read knobs from this, never with a
+    fallback of their own."""
+    return {**method_defaults(name), **dict(given)}
 
 
 def _hydra_value(v) -> str:

@@ -13,6 +13,8 @@ import math
 
 import pandas as pd
 
+from .methods import speculative_rows
+
 
 def _f(v, fmt="{:.2f}"):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
@@ -43,7 +45,7 @@ def recommend(df: pd.DataFrame) -> pd.DataFrame:
     Speedups are against each engine's own baseline, so engines are not ranked against each other."""
     if df.empty:
         return pd.DataFrame(columns=["backend", "workload", "batch_size", "temperature", "choice", "reason", "notes"])
-    d = df[(df.status == "ok") & (df.method != "autoregressive")].copy()
+    d = df[(df.status == "ok") & speculative_rows(df)].copy()
     for col in ("speedup", "speedup_ci_low", "speedup_ci_high"):  # no interval (one pair) is null in summary.json
         if col in d.columns:
             d[col] = pd.to_numeric(d[col], errors="coerce")

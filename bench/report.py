@@ -14,15 +14,16 @@ import math
 import sys
 from pathlib import Path
 
-import matplotlib
+from .plotting import save  # first: it sets matplotlib's Agg backend (files only, no display)
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402, I001
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .results import find_sweep_dirs, load_summaries  # noqa: E402
-from .summary import REPORT_COLUMNS  # noqa: E402
+from .html_report import write_html
+from .methods import speculative_rows
+from .results import find_sweep_dirs, load_summaries
+from .summary import REPORT_COLUMNS
 
 SLOW_BASELINE = 0.5  # a baseline below half its roofline: its speedups may come from the slow baseline
 PROBE_SPREAD = 0.25  # bandwidth probes of one job further apart than this: the roofline itself moved
@@ -45,12 +46,18 @@ def markdown_table(df: pd.DataFrame, cols: list[str]) -> str:
     return "\n".join(lines)
 
 
-def save(fig, out: Path, name: str) -> Path:
-    fig.tight_layout()
-    p = out / f"{name}.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+# Series told apart without colour (a grayscale print, a colour-blind reader): each gets its own
+# marker and line style as well as its colour, in this order.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINES = ("-", "--", ":", "-.")
+
+
+def styles():
+    """An endless sequence of (marker, linestyle) pairs, no two alike for the first 8 series."""
+    i = 0
+    while True:
+        yield {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINES[(i // 2) % len(LINES)]}
+        i += 1
 
 
 def _who(r, multi_backend: bool) -> str:
@@ -74,18 +81,19 @@ def _loaded(df) -> pd.Series:
 
 def plot_speedup_vs_batch(df, out: Path) -> Path | None:
     d = _ok(df)
-    d = d[(d.method != "autoregressive") & ~_loaded(d)] if len(d) else d
+    d = d[speculative_rows(d) & ~_loaded(d)] if len(d) else d
     if d.empty:
         return None
     workloads = sorted(d.workload.unique())
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.6), squeeze=False, sharey=True)
     multi = _multi(d)
     for ax, w in zip(axes[0], workloads):
+        style = styles()
         for (b, m, t), g in d[d.workload == w].groupby(["backend", "method", "temperature"]):
             g = g.sort_values("batch_size")
             err = [g.speedup - g.speedup_ci_low, g.speedup_ci_high - g.speedup]
-            ax.errorbar(g.batch_size, g.speedup, yerr=err, marker="o", capsize=3,
-                        label=f"{b + '/' if multi else ''}{m} (T={t:g})")
+            ax.errorbar(g.batch_size, g.speedup, yerr=err, capsize=3, label=f"{b + '/' if multi else ''}{m} (T={t:g})",
+                        **next(style))
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set(title=w, xlabel="batch size", xscale="log", xticks=sorted(d.batch_size.unique()))
         ax.set_xticklabels([str(b) for b in sorted(d.batch_size.unique())])
@@ -103,10 +111,18 @@ def plot_per_position(df, out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4))
     multi = _multi(d)
-    for _, r in d.iterrows():
-        vals = r.per_position_acceptance
-        ax.plot(range(1, len(vals) + 1), [v if v is not None else math.nan for v in vals], marker="o",
-                label=f"{_who(r, multi)}/{r.workload}/b{r.batch_size}/T{r.temperature:g}")
+    # jobs whose curves are the same numbers (batch 1 and 4 of one method often accept alike) are
+    # one line with every job named, not lines drawn over each other
+    curves: dict[tuple, list[str]] = {}
+    for _, r in d.sort_values([c for c in ("workload", "method", "batch_size") if c in d.columns]).iterrows():
+        vals = tuple(round(v, 4) if v is not None else math.nan for v in r.per_position_acceptance)
+        curves.setdefault(vals, []).append(f"{_who(r, multi)}/{r.workload}/b{r.batch_size}/T{r.temperature:g}")
+    style = styles()
+    longest = 1
+    for vals, names in curves.items():
+        longest = max(longest, len(vals))
+        ax.plot(range(1, len(vals) + 1), vals, label=" = ".join(names), **next(style))
+    ax.set_xticks(range(1, longest + 1))  # draft positions are whole numbers
     ax.set(xlabel="draft position j", ylabel="P(position j accepted | drafted)", ylim=(0, 1.05),
            title="Per-position acceptance")
     ax.legend(fontsize=6)
@@ -164,7 +180,7 @@ def _load_rows(df) -> pd.DataFrame:
     d = _ok(df)
     if d.empty:
         return d
-    d = d[_loaded(d) & (d.method != "autoregressive")].copy()
+    d = d[_loaded(d) & speculative_rows(d)].copy()
     for col in ("load_level", "tpot_speedup", "tpot_speedup_low", "tpot_speedup_high", "tpot_p50", "baseline_tpot_p50",
                 "output_tokens_per_s", "baseline_output_tokens_per_s", "goodput_ratio"):
         if col in d.columns:
@@ -181,13 +197,19 @@ def plot_speedup_vs_load(df, out: Path) -> Path | None:
     panels = sorted({(k, w) for k, w in zip(d.load_kind, d.workload)})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False, sharey=True)
     for ax, (kind, w) in zip(axes[0], panels):
+        style = styles()
         for (b, m), g in d[(d.load_kind == kind) & (d.workload == w)].groupby(["backend", "method"]):
             g = g.sort_values("load_level")
             # the pooled ratio need not lie inside the repeats' own range: bars clipped at the point
             err = [(g.tpot_speedup - g.tpot_speedup_low).clip(lower=0), (g.tpot_speedup_high - g.tpot_speedup).clip(lower=0)]
-            ax.errorbar(g.load_level, g.tpot_speedup, yerr=err, marker="o", capsize=3, label=f"{b}/{m}")
+            ax.errorbar(g.load_level, g.tpot_speedup, yerr=err, capsize=3, label=f"{b}/{m}", **next(style))
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        levels = sorted(d[(d.load_kind == kind) & (d.workload == w)].load_level.unique())
         ax.set(title=f"{w}, load={kind}", xlabel="requests in flight" if kind == "concurrency" else "requests/s")
+        if kind == "concurrency" and len(levels) > 1 and min(levels) > 0:  # 1 2 4 8 ...: a log axis, labelled
+            ax.set(xscale="log", xticks=levels)
+            ax.set_xticklabels([f"{x:g}" for x in levels])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0][0].set_ylabel("p50 TPOT, SD off / SD on")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Speculation under load: where it stops paying (TPOT speedup > 1)")
@@ -293,8 +315,10 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     tuned, notes = tuned_configs(df, sweep_dir)  # the decision report ends with the engines' own configs
     tuned.to_csv(out / "tuned_configs.csv", index=False)
     lines += [tuned_markdown(tuned, notes)]
-    (out / "summary.md").write_text("\n".join(lines))
+    text = "\n".join(lines)
+    (out / "summary.md").write_text(text)
     (out / "index.json").write_text(json.dumps([p.name for p in made]))
+    write_html(out, f"specsweep report: {sweep_dir.name}", text, pd.concat([df, controls]))
     return out
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .methods import method_defaults
+from .methods import method_defaults, speculative_rows
 
 SIM_MARGIN = 0.02  # a simulated alternative is noted when it beats the choice's simulation by more than this
 
@@ -140,7 +140,7 @@ def tuned_configs(df: pd.DataFrame, sweep_dir: Path) -> tuple[pd.DataFrame, list
             "high", "rests_on", "note"]
     if df.empty or "status" not in df.columns:
         return pd.DataFrame(columns=cols), []
-    d = df[(df.status == "ok") & (df.method != "autoregressive")]
+    d = df[(df.status == "ok") & speculative_rows(df)]
     if "acceptance_forced" in d.columns:  # a synthetic method measures the engine, not a config to run
         d = d[d.acceptance_forced.fillna(False) != True]  # noqa: E712 - a column of bools and NaN
     if "backend" not in d.columns or d.empty:

@@ -18,7 +18,9 @@ def _load_plotting() -> None:
     """The table's and the plot's libraries (pandas and matplotlib, close to a second on a slow
     CPU), loaded while the last trace files are simulated on a CPU left free, rather than before
     or after them."""
-    from .. import report  # noqa: F401
+    import pandas  # noqa: F401
+
+    from .. import plotting  # noqa: F401  (matplotlib)
 
 
 def main(argv=None) -> int:

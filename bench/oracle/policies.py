@@ -3,8 +3,10 @@
 A policy is one small class holding the behaviour that sets it apart: which methods it uses, what
 it proposes at a position (how many tokens to verify, and whose draft), which drafters it is
 charged for, and whether it can switch drafter between cycles. POLICIES maps the name a spec
-starts with to its class, so a new policy is one class and one line there; Policy.parse reads
-specs such as "fixed:eagle:3".
+starts with to its class: a policy of this package that sets `kind` registers itself when its
+class is defined (here, in adaptive.py and dp.py, which the package imports); one defined
+elsewhere is one class and one line, `POLICIES[kind] = cls`. Policy.parse reads specs such as
+"fixed:eagle:3".
 
 - fixed:M:K        method M always drafts K tokens (fewer where the trace records a shorter draft);
 - oracle:M         method M drafts exactly what will be accepted (oracle k);
@@ -45,6 +47,11 @@ def _draft_length(spec: str, text: str) -> int:
     return k
 
 
+# kind -> class, in the order the classes are defined (the order an error lists their syntaxes);
+# filled by Policy.__init_subclass__
+POLICIES: dict[str, type["Policy"]] = {}
+
+
 @dataclass(frozen=True)
 class Policy:
     """What every policy shares. A subclass sets kind and syntax, reads its spec (from_args) and
@@ -53,6 +60,16 @@ class Policy:
     k: int = 0  # tokens drafted per cycle, for the policies that fix it
 
     kind: ClassVar[str] = ""  # the first field of its spec, the key in POLICIES
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # specsweep's own policies join as they are defined (an abstract base such as Adaptive sets no
+        # kind); a policy defined elsewhere (a plugin, a test) joins with its own line in POLICIES
+        if cls.__dict__.get("kind") and cls.__module__.startswith(__name__.rsplit(".", 1)[0]):
+            other = POLICIES.get(cls.kind)
+            if other is not None and other.__qualname__ != cls.__qualname__:  # (the same class reloaded is fine)
+                raise TypeError(f"policy kind {cls.kind!r} is taken by {other.__qualname__}")
+            POLICIES[cls.kind] = cls
     syntax: ClassVar[str] = ""  # as the error for a spec that is not valid lists it
     drafts_k: ClassVar[bool] = False  # k is part of it (and of its name)
     # It can change drafter between cycles: the faithful accounting charges the switches (and
@@ -269,29 +286,6 @@ class RandMatch(Policy):
     def decide(self, st, idx, pos, avail, has):
         # a full draft every cycle: the published model ignores recorded draft lengths
         return np.zeros(len(idx), dtype=np.int64), np.full(len(idx), self.k), np.ones((len(idx), 1), dtype=bool)
-
-
-# The adaptive policies and the dp bound subclass Policy above, so they are imported
-# here, after them, to join the registry (their modules import this one's names, already defined).
-from .adaptive import Confidence, Ema, Goodput, Match, Schedule, Tree, Ucb  # noqa: E402
-from .dp import Dp  # noqa: E402
-
-# kind -> class; the order is that of the syntaxes an error lists
-POLICIES: dict[str, type[Policy]] = {c.kind: c for c in (
-    FixedK,
-    OracleK,
-    Combined,
-    Fallback,
-    Match,
-    Tree,
-    Ema,
-    Goodput,
-    Ucb,
-    Schedule,
-    Confidence,
-    Dp,
-    RandMatch,
-)}
 
 
 def default_policies(methods: list[str], ks=(1, 3, 5)) -> list[Policy]:

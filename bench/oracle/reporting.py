@@ -106,7 +106,7 @@ def _against_dp(g) -> list[str]:
 def plot(df, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    from ..report import save  # sets the Agg backend
+    from ..plotting import save  # sets the Agg backend
 
     dss = sorted(df.dataset.unique())
     fig, axes = plt.subplots(1, len(dss), figsize=(4.6 * len(dss), 3.8), squeeze=False, sharey=True)
