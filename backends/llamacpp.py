@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput, Sampling, SettingError,
-                           SpecCounters, check_positive_seconds, checked_settings)
+from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput,
+                           Sampling, SettingError, SpecCounters, check_positive_seconds, checked_settings)
+
 
 from bench.methods import specsweep_overrides
 
@@ -141,7 +142,7 @@ class LlamaCppBackend(Backend):
 
     config_cls = LlamaCppConfig
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, LlamaCppConfig)
         self.method = dict(method)
         name = self.method.get("name")

@@ -38,16 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.backend import (Backend, BackendConfig, BackendError, BatchOutput, EngineTimeout, LoadPlan, Sampling,
-                           check_positive_seconds, checked_settings)
-from bench.methods import synthetic_rates
+from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BackendError, BatchOutput, EngineTimeout,
+                           LoadPlan, Sampling, check_positive_seconds, checked_settings)
+
+from bench.methods import knobs, synthetic_rates
 
 from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, forced_repack_blamed, killed_by_signal,
                         repack_mode)
 from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, free_port, killed_with_parent, stop
-from .serving import (LLAMA_SERVER_COUNTERS, counter_delta, detokenize, llama_margins_across_shapes, read_counters,
-                      serve_load, spec_counters, tokenize)
+from .serving import (LLAMA_SERVER_COUNTERS, answers, counter_delta, detokenize, llama_margins_across_shapes, post_json,
+                      read_counters, serve_load, spec_counters, tokenize)
 
 STATEFUL = ("ngram_mod", "ngram_cache")  # drafters that learn across requests
 METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "draft_model",
@@ -57,20 +58,21 @@ METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod
 def spec_flags(method: dict, k: int) -> list[str]:
     """The harness's method vocabulary in llama-server flags (the table above)."""
     name = method["name"]
+    m = knobs(name, method)  # every knob from conf/method/<name>.yaml unless the job set it
     n_max = ["--spec-draft-n-max", str(k)]
     if name == "autoregressive":
         return ["--spec-type", "none"]
     if name == "ngram":
-        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(method.get("max_ngram", 3)),
-                "--spec-ngram-simple-size-m", str(k), "--spec-ngram-simple-min-hits", str(method.get("min_hits", 1))] + n_max
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(m["max_ngram"]),
+                "--spec-ngram-simple-size-m", str(k), "--spec-ngram-simple-min-hits", str(m["min_hits"])] + n_max
     if name in ("ngram_map_k", "ngram_map_k4v"):
         t = name.replace("_", "-")
-        return ["--spec-type", t, f"--spec-{t}-size-n", str(method.get("size_n", 3)), f"--spec-{t}-size-m", str(k),
-                f"--spec-{t}-min-hits", str(method.get("min_hits", 1))] + n_max
+        return ["--spec-type", t, f"--spec-{t}-size-n", str(m["size_n"]), f"--spec-{t}-size-m", str(k),
+                f"--spec-{t}-min-hits", str(m["min_hits"])] + n_max
     if name == "ngram_mod":
-        return ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", str(method.get("n_min", 1)),
-                "--spec-ngram-mod-n-max", str(method.get("n_max") or k), "--spec-ngram-mod-n-match",
-                str(method.get("n_match", 24))] + n_max
+        return ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", str(m["n_min"]),
+                "--spec-ngram-mod-n-max", str(m["n_max"] or k), "--spec-ngram-mod-n-match",
+                str(m["n_match"])] + n_max
     if name == "ngram_cache":
         return ["--spec-type", "ngram-cache"] + n_max
     if name == "draft_model":
@@ -110,8 +112,6 @@ def try_repack(binary: str, model: str, threads: int, log: Path, timeout_s: floa
     """The repack probe: a llama-server with repacking on (its default) must start and generate a
     few tokens. None if it did; what happened if it was killed by a signal or hung; Inconclusive
     if it failed otherwise (a model it cannot load fails the job itself, with its own error)."""
-    import httpx
-
     port = free_port()
     cmd = server_command(binary, model, spec_flags({"name": "autoregressive"}, 1), 1, 512, threads, port)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -127,14 +127,13 @@ def try_repack(binary: str, model: str, threads: int, log: Path, timeout_s: floa
                 if exited is not None:
                     break
                 try:  # a crash while generating closes the connection; the next poll sees the exit
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        r = httpx.post(url + "/completion", json={"prompt": "def fibonacci(n):", "n_predict": 8,
-                                                                  "temperature": 0}, timeout=timeout_s)
-                        if r.status_code == 200:
-                            return None
-                        raise Inconclusive(f"llama-server answered {r.status_code}: {r.text[:200]} (log {log})")
-                except httpx.HTTPError:
-                    pass
+                    if answers(url + "/health"):
+                        post_json(url, "/completion", {"prompt": "def fibonacci(n):", "n_predict": 8, "temperature": 0},
+                                  "llama-server", timeout_s)
+                        return None
+                except BackendError as e:
+                    if proc.poll() is None and "answered" in str(e):  # it answered, but not 200: no verdict
+                        raise Inconclusive(f"{e} (log {log})") from None
                 time.sleep(0.2)
         finally:
             stop(proc)
@@ -200,7 +199,7 @@ class LlamaServerBackend(Backend):
 
     config_cls = LlamaServerConfig
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, LlamaServerConfig)
         self.method = dict(method)
         if self.method.get("name") not in METHODS:

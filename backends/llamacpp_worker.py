@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bench.backend import BatchOutput, LoadPlan, RequestOutput, Sampling
+from bench.methods import knobs
 
 from .llamacpp import weight_buffers
 from .native.drafters import Drafter, NgramDrafter, Proposal
@@ -231,8 +232,9 @@ class Engine:
         self.eos = (self.target.llm.token_eos(),)
         self.target_model = LlamaCppTarget(self.target, cfg["max_rows"], cfg["n_ctx"])
         m = self.method
-        self.drafter = {"ngram": lambda: NgramDrafter(self.k, m.get("min_ngram", 1), m.get("max_ngram", 3),
-                                                      m.get("prefer_recent", True), m.get("min_hits", 1)),
+        n = knobs("ngram", m)
+        self.drafter = {"ngram": lambda: NgramDrafter(self.k, n["min_ngram"], n["max_ngram"], n["prefer_recent"],
+                                                      n["min_hits"]),
                         "draft_model": lambda: LlamaCppDraftModel(self.draft, self.k, f"draft model {m.get('draft_path')}"),
                         }.get(m["name"], lambda: None)()
 
@@ -316,7 +318,8 @@ class Engine:
                     self.calls.append((len(input_ids), [int(x) for x in out]))
                     return out
 
-            self._drafter = Counting(max_ngram_size=self.method.get("max_ngram", 2), num_pred_tokens=self.k)
+            self._drafter = Counting(max_ngram_size=knobs("prompt_lookup_lib", self.method)["max_ngram"],
+                                     num_pred_tokens=self.k)
             self._drafter.calls = []
             threads = self.cfg["threads"]
             # As a user calls it: llama-cpp-python's defaults (flash attention off) are kept.

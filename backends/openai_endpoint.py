@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, Sampling, SettingError, check_positive_seconds,
-                           checked_settings)
+from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOutput, LoadPlan, Sampling,
+                           SettingError, check_positive_seconds, checked_settings)
 
-from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, llama_margins_across_shapes,
-                      read_counters, serve_load, spec_counters, tokenize)
+
+from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, get, llama_margins_across_shapes,
+                      metrics_page, read_counters, serve_load, spec_counters, tokenize)
 
 PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -64,7 +65,7 @@ class Endpoint:
 
         self.url, self.role, self.timeout = url, role, cfg.request_timeout_s
         try:
-            props = httpx.get(url + "/props", timeout=cfg.connect_timeout_s)
+            props = get(url + "/props", cfg.connect_timeout_s)
             self.llama = props.status_code == 200 and "total_slots" in props.text
             self.slots = props.json().get("total_slots") if self.llama else None
             if self.llama:
@@ -73,7 +74,7 @@ class Endpoint:
                 path = info.get("model_alias") or info.get("model_path") or ""
                 self.served = Path(path).stem if path else None
             else:
-                models = httpx.get(url + "/v1/models", timeout=cfg.connect_timeout_s)
+                models = get(url + "/v1/models", cfg.connect_timeout_s)
                 if models.status_code != 200:
                     raise ValueError(f"backend.{role}={url} answers neither llama-server's /props nor /v1/models "
                                      f"({models.status_code}): not an OpenAI-compatible LLM server")
@@ -94,13 +95,14 @@ class Endpoint:
                 break
 
     def metrics_page(self) -> str | None:
+        """None where the server has no /metrics page or does not answer now (a deployment gone
+        mid-run: its next request names it)."""
         import httpx
 
         try:
-            r = httpx.get(self.url + "/metrics", timeout=30)
+            return metrics_page(self.url, 30.0)
         except httpx.HTTPError:
             return None
-        return r.text if r.status_code == 200 else None
 
     def counters(self) -> dict:
         page = self.metrics_page() if self.counter_names else None
@@ -119,7 +121,7 @@ class OpenAIEndpointBackend(Backend):
     load_kinds = ("concurrency", "rate")
     config_cls = EndpointConfig
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, EndpointConfig)
         self.method, self.k = dict(method), num_speculative_tokens
         self.servers = {True: Endpoint(self.cfg.url, self.cfg, "url"),

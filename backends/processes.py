@@ -17,6 +17,7 @@ from pathlib import Path
 from bench.backend import BackendError, EngineTimeout
 
 from .cpu_probe import describe_exit
+from .serving import answers, metrics_page
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,8 +98,6 @@ def wait_healthy(server, url: str, timeout_s: float, name: str, exited_error=Bac
     """Poll url until it answers 200. A server that exits first (exited_error: ValueError where
     that means a configuration it refused) or is not healthy within timeout_s is stopped, and the
     error carries its log's tail. `server` has proc, stop(), log_tail(n) and log_path."""
-    import httpx
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
@@ -108,11 +107,8 @@ def wait_healthy(server, url: str, timeout_s: float, name: str, exited_error=Bac
                                f"{server.log_path} ends with:\n{tail}")
             err.returncode = server.proc.returncode  # exited_error may be a ValueError: set, not passed
             raise err
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if answers(url):
+            return
         time.sleep(poll_s)
     tail = server.log_tail()
     server.stop()
@@ -250,9 +246,9 @@ class ServerProcess(EngineProcess):
             raise
 
     def metrics_page(self, timeout_s: float = 30.0) -> str:
-        import httpx
-
-        return httpx.get(self.url + "/metrics", timeout=timeout_s).text
+        """The server's /metrics text ("" where it has none); a server that does not answer raises
+        httpx.HTTPError (its adapter names it)."""
+        return metrics_page(self.url, timeout_s) or ""
 
     def stop(self):
         stop_group(self.proc)

@@ -254,6 +254,31 @@ def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tok
 
 # --- tokenizing on the server, in its dialect -----------------------------------------------------
 
+def get(url: str, timeout_s: float):
+    """One GET (a server's /health, /props, /v1/models, /metrics): the response, whatever its
+    status; an unreachable server or a timeout raises httpx.HTTPError for the caller to name."""
+    import httpx
+
+    return httpx.get(url, timeout=timeout_s)
+
+
+def answers(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether url answers 200 now (one poll of a health check): False for anything else."""
+    import httpx
+
+    try:
+        return get(url, timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def metrics_page(url: str, timeout_s: float = 30.0) -> str | None:
+    """A server's Prometheus page (url + /metrics), the one reader of it: None where the server
+    answers without one (not 200); an unreachable server or a timeout raises httpx.HTTPError."""
+    r = get(url + "/metrics", timeout_s)
+    return r.text if r.status_code == 200 else None
+
+
 def post_json(url: str, path: str, body: dict, engine: str, timeout_s: float = 60.0) -> dict:
     """One JSON POST to a server of the run; any failure (unreachable, timeout, not 200) is a
     BackendError naming the engine, the URL and what came back."""

@@ -39,8 +39,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import (Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput, Sampling, SpecCounters,
-                           check_positive_seconds, checked_settings)
+from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput,
+                           Sampling, SpecCounters, check_positive_seconds, checked_settings)
+
 
 from .processes import Pool, ServerProcess, Worker, cli_flags
 from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, serve_load, sglang_output,
@@ -165,7 +166,7 @@ class SGLangBackend(Backend):
         """SGLang's server arguments (speculative_args as launch_server flags); off: none."""
         return [] if k is None else cli_flags(speculative_args(method, k))
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, SGLangConfig, self.name)
         self.method, self.k = dict(method), num_speculative_tokens
         self.spec = speculative_args(self.method, self.k)

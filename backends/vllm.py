@@ -22,9 +22,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.backend import (Backend, BackendConfig, BatchOutput, RequestOutput, Sampling, SettingError, SpecCounters,
-                           check_positive_seconds, checked_settings)
-from bench.methods import synthetic_rates
+from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOutput, RequestOutput, Sampling,
+                           SettingError, SpecCounters, check_positive_seconds, checked_settings)
+
+from bench.methods import knobs, synthetic_rates
 
 from .processes import Pool, Worker
 from .serving import VLLM_COUNTERS, CounterNames, counter_delta, spec_counters
@@ -82,7 +83,8 @@ def speculative_config(method: dict, k: int) -> dict | None:
                 "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": synthetic_rates(method, k)}
     cfg = {"method": "eagle3" if name == "p_eagle" else name, "num_speculative_tokens": k}
     if name == "ngram":
-        cfg.update(prompt_lookup_min=method.get("min_ngram", 1), prompt_lookup_max=method.get("max_ngram", 3))
+        n = knobs("ngram", method)
+        cfg.update(prompt_lookup_min=n["min_ngram"], prompt_lookup_max=n["max_ngram"])
     elif name in ("draft_model", "eagle", "eagle3", "p_eagle"):
         key = "draft_path" if name == "draft_model" else "head_path"
         if not method.get(key):
@@ -150,7 +152,7 @@ class VLLMBackend(Backend):
         spec = None if k is None else speculative_config(method, k)
         return [] if spec is None else ["--speculative-config", json.dumps(spec)]
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, VLLMConfig, self.name)
         self.method, self.k = dict(method), num_speculative_tokens
         self.spec = speculative_config(self.method, self.k)

@@ -16,6 +16,11 @@ from typing import ClassVar
 CYCLE_FIELDS = ("cycle", "row", "drafted", "accepted", "emitted", "kv_len", "batch_rows", "t_draft", "t_verify", "t_other")
 
 
+# The draft length k when none is given: SweepConfig's num_speculative_tokens (bench/config.py)
+# and every adapter's constructor (tests and notebooks build adapters directly) read it here.
+DEFAULT_DRAFT_LENGTH = 4
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0

@@ -8,6 +8,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from .backend import DEFAULT_DRAFT_LENGTH
 from .load import check as load_check
 from .methods import DRAFTER_KINDS, method_key_problems, synthetic_rates
 
@@ -54,7 +55,7 @@ class SweepConfig:
     temperature: float = 0.0  # sampling temperature; 0 = greedy (the lossless check runs only then)
     top_p: float = 1.0  # nucleus sampling; 1 = off
     top_k: int = 0  # top-k sampling; 0 = off
-    num_speculative_tokens: int = 4  # draft length k
+    num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH  # draft length k: tokens drafted per cycle (at most)
     max_new_tokens: int = 48  # tokens generated per request
     num_prompts: int = 4  # prompts per job (static batches; under load load.num_requests)
     repeats: int = 2  # times every batch is measured, each arm; more repeats, a narrower interval

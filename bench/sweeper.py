@@ -17,7 +17,9 @@ log = logging.getLogger("specsweep")
 
 
 def sweep_jobs(config) -> list[list[str]]:
-    """The override list of every job the basic sweeper will launch for this multirun config."""
+    """The override list of every job the basic sweeper will launch for this multirun config.
+    Hydra has no public API for this expansion: BasicSweeper.split_arguments is private, so
+    hydra-core is pinned below 1.4 (pyproject.toml) and a test checks the expansion."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser

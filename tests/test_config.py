@@ -222,3 +222,18 @@ def test_more_rows_at_once_than_the_engine_holds_is_refused_before_any_job(tmp_p
         check_job(cfg)
     assert re.search(expected, str(e.value)), str(e.value)
     check_job(_cfg(*overrides, raised, f"results_dir={tmp_path}"))  # with the cap raised as it says, it passes
+
+
+def test_the_pre_check_expands_a_sweep_as_hydras_basic_sweeper_does():
+    """bench/sweeper.py expands the multirun with Hydra's BasicSweeper.split_arguments, a private
+    API (hydra._internal) pinned in pyproject (hydra-core < 1.4): this fails first if a Hydra
+    release changes how a sweep expands. The default sweep's lists, one replaced from the command
+    line by a single value, and a fixed key on every job."""
+    from bench.sweeper import sweep_jobs
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        jobs = sweep_jobs(compose("config", overrides=["workload=chat", "repeats=3"], return_hydra_config=True))
+        default = sweep_jobs(compose("config", return_hydra_config=True))
+    assert sorted(map(tuple, jobs)) == sorted((f"method={m}", "workload=chat", f"batch_size={b}", "repeats=3")
+                                             for m in ("ngram", "draft_model") for b in (1, 4))
+    assert len(default) == 8 and {j[1] for j in default} == {"workload=code_edit", "workload=chat"}

@@ -106,6 +106,22 @@ def test_every_setting_has_one_default():
     root = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())
     twice = set(root) & set(SweepConfig.__dataclass_fields__)
     assert not twice, f"declared in conf/config.yaml and in SweepConfig: {sorted(twice)}"
+    for variant in (ROOT / "conf" / "backend").glob("*.yaml"):  # a server variant restates none of its base's settings
+        extra = set(yaml.safe_load(variant.read_text())) - {"defaults", "_target_", "name"}
+        assert not extra, f"{variant.name} sets {sorted(extra)}: its base node's dataclass declares them"
+    # every adapter's default draft length is the sweep's (a test or notebook building one directly drafts the same k)
+    import inspect
+
+    from hydra.utils import get_class
+
+    import backends
+    from bench.backend import DEFAULT_DRAFT_LENGTH
+
+    assert SweepConfig.num_speculative_tokens == DEFAULT_DRAFT_LENGTH
+    for path in backends.CONFIGS:
+        adapter = get_class(get_class(path)._target_)
+        k = inspect.signature(adapter.__init__).parameters["num_speculative_tokens"].default
+        assert k == DEFAULT_DRAFT_LENGTH, (adapter.__name__, k)
 
 
 @pytest.mark.parametrize("where, overrides", documented_overrides(), ids=lambda x: x if isinstance(x, str) else "")
@@ -123,3 +139,36 @@ def test_documented_commands_were_found():
     found = documented_overrides()
     assert len(found) >= 20, found
     assert any("aa_control=true" in o for _, ov in found for o in ov)
+
+
+def runnable_blocks() -> list[tuple[str, str, list[str]]]:
+    """(where, block, size overrides) for every bash block a page marks `<!-- runnable: KEY=VALUE ... -->`."""
+    out = []
+    for page in PAGES:
+        for marker, block in bash_blocks(page):
+            m = re.match(r"<!-- runnable:?(.*?)-->", marker)
+            if m:
+                out.append((str(page.relative_to(ROOT)), block, m.group(1).split()))
+    return out
+
+
+def test_some_blocks_are_marked_runnable():
+    assert len(runnable_blocks()) >= 2
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("where, block, sizes", runnable_blocks(), ids=[w for w, _, _ in runnable_blocks()])
+def test_a_runnable_block_runs_as_written_at_a_small_size(where, block, sizes, tmp_path):
+    """The block's every specsweep command, run as a user would (the real CLI, engines, model), with
+    the marker's size overrides in place of the block's own values for those keys and the results
+    in a temporary folder: it must exit 0 with every job ok."""
+    import pandas as pd
+
+    replaced = {s.split("=", 1)[0] for s in sizes}
+    for i, words in enumerate(specsweep_commands(block)):
+        words = [w for w in words if w.split("=", 1)[0] not in replaced] + sizes
+        r = subprocess.run(["specsweep", *words, f"results_dir={tmp_path}", f"sweep_name=run{i}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{where}: specsweep {' '.join(words)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        index = pd.read_csv(tmp_path / f"run{i}" / "index.csv")
+        assert (index.status == "ok").all(), index[["job", "status", "error"]]

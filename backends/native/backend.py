@@ -5,8 +5,9 @@ import logging
 
 import torch
 
-from bench.backend import Backend, BatchOutput, LoadPlan, RequestOutput, Sampling, checked_settings
-from bench.methods import specsweep_overrides, synthetic_rates
+from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BatchOutput, LoadPlan, RequestOutput, Sampling,
+                           checked_settings)
+from bench.methods import knobs, specsweep_overrides, synthetic_rates
 
 from ..cpu_probe import cpu_identity
 from . import kernels
@@ -68,7 +69,7 @@ def adaptive_policy(m: dict):
                          "YAML of this engine, or a named model such as llama3.1-8b-h100)")
     from bench.costmodel import load_cost_model
 
-    cost, accounting = load_cost_model(str(m["cost_model"])), m.get("accounting", "faithful")
+    cost, accounting = load_cost_model(str(m["cost_model"])), knobs("adaptive", m)["accounting"]
     if accounting not in ("faithful", "optimistic"):
         raise ValueError(f"method.accounting={accounting!r} is not valid; use faithful or optimistic")
     return policy, lambda batch: Context(cost, batch, accounting)
@@ -90,7 +91,7 @@ class NativeBackend(Backend):
 
     config_cls = NativeConfig
 
-    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = 5, **settings):
+    def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, NativeConfig)
         self.method = dict(method)
         name = self.method.get("name")
@@ -170,7 +171,8 @@ class NativeBackend(Backend):
         if name == "autoregressive":
             return None
         if name == "ngram":
-            return NgramDrafter(k, m.get("min_ngram", 1), m.get("max_ngram", 3), m.get("prefer_recent", True), m.get("min_hits", 1))
+            n = knobs("ngram", m)
+            return NgramDrafter(k, n["min_ngram"], n["max_ngram"], n["prefer_recent"], n["min_hits"])
         if name == "draft_model":
             if m.get("draft_path"):
                 draft, dtok, dargs, _ = load_model(m["draft_path"], dtype=self.cfg.dtype, device=self.cfg.device)
@@ -201,12 +203,12 @@ class NativeBackend(Backend):
             head = load_mtp_head(self.resolved, self.args, self.model.embed.weight.dtype, self.cfg.device)
             return HeadDrafter(head, self.model, k, f"MTP layer 0 of {self.resolved.name}, chained for {k} positions")
         if name == "combined":
-            neural = m.get("neural", "eagle3")
+            neural = knobs("combined", m)["neural"]
             if neural not in NEURAL_FOR_COMBINED:
                 raise ValueError(f"method.neural={neural!r} is not valid for combined; use one of {', '.join(NEURAL_FOR_COMBINED)}")
             inner = self._make_drafter(neural, {**m, "name": neural})
             ngram = self._make_drafter("ngram", m)
-            min_match = m.get("min_match", 1)
+            min_match = knobs("combined", m)["min_match"]
             return CombinedDrafter(ngram, inner, min_match,
                                    f"n-gram when it matches >= {min_match} token(s), else {inner.label}")
         if name == "adaptive":
