@@ -187,6 +187,18 @@ def paired_speedup(spec_tokens, spec_s, base_tokens, base_s, n_boot: int = 2000,
     return {"speedup": point, "speedup_ci_low": float(lo), "speedup_ci_high": float(hi), "speedup_pairs": n}
 
 
+def pair_speedups(pairs: pd.DataFrame) -> list[dict]:
+    """The pairs behind a paired speedup, each as measured: repeat, batch, which arm ran first,
+    and its own speedup (its method tokens/s over its baseline tokens/s)."""
+    out = []
+    for p in pairs.to_dict("records"):  # (a row's `repeat` as an attribute would be Series.repeat)
+        ok = p["wall_s_spec"] > 0 and p["wall_s_base"] > 0 and p["tokens_base"] > 0
+        out.append({"repeat": int(p["repeat"]), "batch": int(p["batch"]), "first": p.get("first"),
+                    "speedup": float((p["tokens_spec"] / p["wall_s_spec"]) / (p["tokens_base"] / p["wall_s_base"]))
+                    if ok else math.nan})
+    return out
+
+
 def speedup_by_order(pairs: pd.DataFrame) -> dict:
     """The paired speedup (ratio of sums) over the pairs whose baseline ran first, and over those
     whose method ran first (`pairs.first`), with their counts. Equal counts make the order cancel

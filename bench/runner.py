@@ -455,6 +455,8 @@ def _measure(backend: Backend, c: dict, prompts, root: Path, jdir: Path, progres
                          sum(counters[1:], counters[0]) if counters else None, spec_steps, base_steps, pairs=pairs))
     if pairs is not None and first:
         out.update(metrics.speedup_by_order(pairs))
+    if pairs is not None and len(pairs):
+        out["pairs"] = metrics.pair_speedups(pairs)
     if speculative and out.get("lossless") == "false":
         out.update(_weigh_divergences(backend, c, base_req, spec_req, out["lossless_detail"], jdir.name))
     if plan is not None:

@@ -91,6 +91,7 @@ class JobSummary(JobKey):
     speedup_ci_low: float = col("95% bootstrap interval of speedup, low end (null with one pair)", SPEED)
     speedup_ci_high: float = col("95% bootstrap interval of speedup, high end", SPEED)
     speedup_pairs: int = col("baseline/method batch pairs behind a paired speedup")
+    pairs: list = col("those pairs as measured: repeat, batch, which arm ran first, and the pair's own speedup")
     pairs_baseline_first: int = col("pairs whose baseline ran first (paired jobs)", AA)
     pairs_method_first: int = col("pairs whose method ran first", AA)
     speedup_baseline_first: float = col("speedup over the pairs whose baseline ran first alone", AA)
