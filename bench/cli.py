@@ -97,6 +97,7 @@ def _table_width() -> int:
 
 
 def print_table(df, title: str = "specsweep", width: int | None = None) -> None:
+    import pandas as pd
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -109,10 +110,16 @@ def print_table(df, title: str = "specsweep", width: int | None = None) -> None:
     aa = df.aa_control.fillna(False).astype(bool) if "aa_control" in df.columns else None
     if aa is not None and aa.any():  # A/A controls: whether each reads 1.0 within its intervals
         cols.append("aa_verdict")
-    # a column with one value in every row goes to the caption instead (engine, T, status, ...)
-    same = [c for c in cols if c in ("backend", "temperature", "status", "lossless", "load_label")
-            and len(df) > 1 and df[c].astype(str).nunique() == 1]
-    cols = [c for c in cols if c not in same]
+    loaded = "load_label" in cols
+    if loaded:  # under load the level is the point; batch_size is only the rows it gave the engine
+        cols = [c for c in cols if c != "batch_size"]
+    # a column with nothing in it is left out (an engine without a time split, a load point's
+    # acceptance on a deployment without counters), and one with one value in every row goes to
+    # the caption instead (engine, method, T, status, ...)
+    empty = [c for c in cols if c not in ("method", "speedup") and df[c].isna().all()]
+    same = [c for c in cols if c not in empty and c not in ("speedup", "aa_verdict") and len(df) > 1
+            and (c == "temperature" or not pd.api.types.is_float_dtype(df[c])) and df[c].astype(str).nunique() == 1]
+    cols = [c for c in cols if c not in same and c not in empty]
     t = Table(title=title, caption=" · ".join(f"{SHORT.get(c, c)} {df[c].iloc[0]}" for c in same) or None,
               caption_justify="left", box=box.SIMPLE_HEAD)
     for c in cols:

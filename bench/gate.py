@@ -116,8 +116,11 @@ def _rel(now, base):
     return (now - base) / base if base else (0.0 if now == base else math.inf)
 
 
-def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput_tol: float, allow_missing: bool):
-    """Returns (rows of (job, metric, baseline, now, change, verdict), failed)."""
+def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput_tol: float, allow_missing: bool,
+            speed: bool = True):
+    """Returns (rows of (job, metric, baseline, now, change, verdict), failed). speed=False: the
+    acceptance-only gate (status, losslessness and acceptance; speedup and throughput not compared,
+    for a run on another machine than the baseline's)."""
     now = {job_key(r): r for _, r in df.iterrows()}
     rows, failed = [], False
     common = set(now) & set(baseline["jobs"])
@@ -151,6 +154,8 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
             verdict = "FAIL" if ch is None or ch < -tol else ("improved" if ch > tol else "ok")
             failed |= verdict == "FAIL"
             rows.append((key, name, b_v, n_v, ch, verdict))
+        if not speed:
+            continue
         # Noise-aware: fail only if this run's optimistic end is clearly below the record.
         sp_b, sp_n, sp_hi = m.get("speedup"), _num(r.get("speedup")), _num(r.get("speedup_ci_high"))
         if sp_b is not None and sp_n is not None:
@@ -229,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speedup-tolerance", type=float, default=0.15)
     ap.add_argument("--throughput-tolerance", type=float, default=0.5)
     ap.add_argument("--allow-missing", action="store_true", help="a baseline job absent from the run does not fail")
+    ap.add_argument("--only", choices=["acceptance"], help="acceptance: compare job status, losslessness and "
+                    "acceptance only, not speedup or throughput (a run on another machine than the baseline's)")
     ap.add_argument("--allow-failed", action="store_true",
                     help="with --update: record the jobs that succeeded even though others failed")
     ap.add_argument("--summary", help="also write the markdown table here (e.g. $GITHUB_STEP_SUMMARY)")
@@ -261,11 +268,12 @@ def main(argv=None) -> int:
                       + ", ".join(f"{j} ({s})" for j, s in zip(left.job_dir, left.status)))
             return 0
         rows, failed = compare(df, load_baseline(path), _tolerances(a.tolerance), a.speedup_tolerance,
-                               a.throughput_tolerance, a.allow_missing)
+                               a.throughput_tolerance, a.allow_missing, speed=a.only != "acceptance")
     except GateError as e:
         print(f"specsweep-gate: {e}", file=sys.stderr)
         return 2
-    md = markdown(rows, failed)
+    md = markdown(rows, failed) + ("\nAcceptance only (--only acceptance): speedup and throughput were not compared.\n"
+                                   if a.only == "acceptance" else "")
     print(md)
     if a.summary:
         with open(a.summary, "a") as f:

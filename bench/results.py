@@ -21,6 +21,27 @@ import pandas as pd
 COMPLETE_STATUSES = ("ok", "skipped")
 
 
+def _file_identity(path: Path) -> str:
+    """A file or folder named by what it is, not where it lies: its name and size (a folder: each
+    file's relative name and size), so the same head or model copied elsewhere keys alike."""
+    if path.is_dir():
+        files = sorted((str(f.relative_to(path)), f.stat().st_size) for f in path.rglob("*") if f.is_file())
+        return f"{path.name}:{short_hash(files)}"
+    return f"{path.name}:{path.stat().st_size}"
+
+
+def _portable(group: dict) -> dict:
+    """A config group with each `path` / `*_path` that names an existing file or folder replaced by
+    its identity (_file_identity): two machines, or two checkouts, that hold the same model or head
+    at other paths give a job the same key, so a gate baseline recorded on one matches the other."""
+    out = {}
+    for k, v in dict(group).items():
+        if (k == "path" or str(k).endswith("_path")) and isinstance(v, str) and v and Path(v).exists():
+            v = _file_identity(Path(v))
+        out[k] = v
+    return out
+
+
 @dataclass(frozen=True)
 class JobKey:
     """What identifies a job, once, for the runner (the row's identity columns), the results index,
@@ -45,7 +66,7 @@ class JobKey:
     @classmethod
     def from_config(cls, c: dict) -> "JobKey":
         groups = ("backend", "model", "method", "workload")
-        hashed = {g: c[g] for g in groups}
+        hashed = {g: _portable(c[g]) for g in groups}
         if (c.get("load") or {}).get("kind", "static") != "static":  # static jobs keep the keys they had
             hashed["load"] = c["load"]
         if c.get("aa_control"):  # an A/A control is not the method's own job (other jobs keep their keys)

@@ -121,3 +121,39 @@ def test_a_bad_value_in_a_baseline_is_exit_2_with_the_file_and_key(tmp_path, bas
     assert gate([str(_sweep(tmp_path, "now", [_job(), _job(batch=2)])), "--baseline", str(baseline)]) == 2
     err = capsys.readouterr().err
     assert f"baseline {baseline}: job {key!r}: metrics.speedup = 'fast' is not a number" in err
+
+
+def test_the_acceptance_only_gate_ignores_speed_and_still_guards_acceptance(tmp_path, baseline, capsys):
+    """--only acceptance: a run on a slower machine (speed and throughput collapsed) passes, while an
+    acceptance drop in the same run still fails; the table says speed was not compared."""
+    slow = _sweep(tmp_path, "slow", [_job(speedup=0.5, speedup_ci_low=0.45, speedup_ci_high=0.55, tokens_per_s=5.0),
+                                     _job(batch=2, tokens_per_s=5.0)])
+    assert gate([str(slow), "--baseline", str(baseline)]) == 1
+    assert "tokens_per_s" in capsys.readouterr().out
+    assert gate([str(slow), "--baseline", str(baseline), "--only", "acceptance"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup and throughput were not compared" in out and "tokens_per_s" not in out
+    worse = _sweep(tmp_path, "worse", [_job(acceptance_rate=0.72, tokens_per_s=5.0), _job(batch=2)])
+    assert gate([str(worse), "--baseline", str(baseline), "--only", "acceptance"]) == 1
+
+
+def test_a_job_keys_alike_whatever_path_holds_its_model_or_head(tmp_path):
+    """The gate's job identity names a model or head file by what it is (name and size; a folder:
+    its files' names and sizes), not where it lies: a baseline recorded on one machine matches a
+    run of the same files elsewhere; another file is another job."""
+    from bench.results import JobKey
+
+    for d in ("a", "b", "c"):
+        (tmp_path / d / "head").mkdir(parents=True)
+        (tmp_path / d / "model.gguf").write_bytes(b"x" * 100)
+        (tmp_path / d / "head" / "model.safetensors").write_bytes(b"y" * (10 if d != "c" else 11))
+
+    def key(d):
+        cfg = {"backend": {"name": "native"}, "model": {"name": "local", "path": str(tmp_path / d / "model.gguf")},
+               "method": {"name": "eagle3", "head_path": str(tmp_path / d / "head")}, "workload": {"name": "chat"},
+               "batch_size": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "num_speculative_tokens": 3,
+               "max_new_tokens": 16, "num_prompts": 2, "seed": 0}
+        return JobKey.from_config(cfg)
+
+    assert key("a") == key("b")
+    assert key("a").config_hash != key("c").config_hash  # another head (its file differs)

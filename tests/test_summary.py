@@ -92,3 +92,27 @@ def test_the_cli_table_is_wider_on_request(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     print_table(_default_sweep_rows(2), title="x" * 190)
     assert max(len(line) for line in capsys.readouterr().out.splitlines()) > 120
+
+
+def test_the_cli_table_of_load_points_fits_120_columns(capsys, monkeypatch):
+    """Under load the level replaces batch, empty columns (a deployment's time split) are left out,
+    and a column of one value goes to the caption: every row on one line within 120 columns."""
+    import pandas as pd
+
+    from bench.cli import print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rows = [dict(backend=b, method="autoregressive", workload="code_edit", batch_size=lvl, temperature=0.0, status="ok",
+                 speedup=1.013, speedup_ci_low=0.97, speedup_ci_high=1.05, acceptance_rate=float("nan"),
+                 mean_acceptance_length=float("nan"), verify_fraction=float("nan"), draft_fraction=float("nan"),
+                 baseline_roofline_share=0.51, lossless="true", load_kind="concurrency", load_level=lvl,
+                 load_label=f"c{lvl}", tpot_speedup=1.01, goodput_rps=1.33, baseline_goodput_rps=1.34, aa_control=True,
+                 aa_verdict="excludes 1.0: speedup 1.026 [1.002, 1.053]", job=f"{b}-c{lvl}")
+            for b in ("llamacpp_server", "openai_endpoint") for lvl in (1, 4, 8)]
+    print_table(pd.DataFrame(rows), title="specsweep: results/aa")
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 120, "\n".join(lines)
+    table = [line for line in lines if " c1 " in line or " c4 " in line or " c8 " in line]
+    assert len(table) == 6 and all("EXCLUDES" in line for line in table) and "…" not in "".join(table)
+    assert not any("verify" in line and "draft" in line and "alpha" in line for line in lines[:4])  # empty: left out
+    assert any("excludes 1.0: speedup 1.026" in line for line in lines)  # the verdicts in full, below
