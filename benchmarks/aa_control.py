@@ -66,13 +66,17 @@ def with_overrides(common: list[str], extra: list[str]) -> list[str]:
 
 
 def run_engine(engine: str, results: Path, extra: list[str], commands: list[str], swap: bool = False,
-               points: str = "all") -> None:
+               points: str = "all", same_server: bool = False) -> None:
     servers = []
     try:
         backend = [f"backend={engine}"]
-        if engine == "openai_endpoint":  # swap: the server started second serves the method arm
+        if engine == "openai_endpoint" and same_server:  # one server, two spellings of its address
+            servers = start_llama_servers(results, n=1)
+            url, baseline_url = servers[0].url, servers[0].url.replace("127.0.0.1", "localhost")
+        elif engine == "openai_endpoint":  # swap: the server started second serves the method arm
             servers = start_llama_servers(results)
             url, baseline_url = (servers[1].url, servers[0].url) if swap else (servers[0].url, servers[1].url)
+        if servers:
             backend += [f"backend.url={url}", f"backend.baseline_url={baseline_url}"]
         for sweep in ENGINES[engine]:
             if points != "all" and (sweep is LOADED) != (points == "load"):
@@ -110,7 +114,7 @@ def render(folder: Path) -> Path:
     df = pd.read_csv(folder / "index.csv")
     env = json.loads((folder / "environment.json").read_text())
     held = (df.aa_verdict == "holds 1.0").sum()
-    lines = [f"# A/A control, {env['date']}", "",
+    lines = [f"# {env.get('title', 'A/A control')}, {env['date']}", "",
              f"Machine: {env['cpu']}, {env['cpu_count']} cores; load average {env['loadavg_start']} at the start, "
              f"{env['loadavg_end']} at the end; commit {env['git_commit']}.", "",
              "Both arms the same engine without speculation (`method=autoregressive aa_control=true`), measured as "
@@ -129,6 +133,7 @@ def render(folder: Path) -> Path:
                      f"{r.baseline_tokens_per_s:.1f} | {r.aa_verdict if isinstance(r.aa_verdict, str) else r.status} |")
     lines += ["", "Commands (each run from the repository root):", "", "```bash",
               " ".join([f"python benchmarks/aa_control.py --out {folder}"] + (["--swap"] if env.get("swap") else [])
+                       + (["--same-server"] if env.get("same_server") else [])
                        + ([f"--points {env['points']}"] if env.get("points", "all") != "all" else [])
                        + ([f"--engines {','.join(env['engines'])}"] if env.get("engines", list(ENGINES)) != list(ENGINES) else [])
                        + list(env.get("overrides", []))),
@@ -146,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--render", type=Path, help="only regenerate index.md of this folder from its data")
     ap.add_argument("--swap", action="store_true", help="openai_endpoint: the method arm on the server started second "
                     "(a reading that follows the server, not the arm, is the servers' own difference)")
+    ap.add_argument("--same-server", action="store_true", help="openai_endpoint: both arms one llama-server, at "
+                    "127.0.0.1 and at localhost (no difference between two server processes can enter)")
     ap.add_argument("--points", choices=["all", "static", "load"], default="all",
                     help="only the batch points (static), only the concurrency points (load), or both")
     ap.add_argument("overrides", nargs="*", help="more specsweep overrides for every sweep (e.g. max_new_tokens=16)")
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
     print(f"results (every job's folder) in {results}", flush=True)
     commands: list[str] = []
     for e in engines:
-        run_engine(e, results, a.overrides, commands, a.swap, a.points)
+        run_engine(e, results, a.overrides, commands, a.swap, a.points, a.same_server)
     end = snapshot()
     (results / "commands.json").write_text(json.dumps(commands))  # kept beside the jobs, should writing below fail
     df = collect(results, engines)
@@ -177,12 +184,13 @@ def main(argv=None) -> int:
         return 1
     a.out.mkdir(parents=True, exist_ok=True)
     df.to_csv(a.out / "index.csv", index=False)
-    title = "A/A control" + (", openai_endpoint with the servers' roles swapped" if a.swap else "")
+    title = "A/A control" + (", openai_endpoint with the servers' roles swapped" if a.swap else "") + (
+        ", openai_endpoint on one server at two addresses" if a.same_server else "")
     env = {"title": title, "date": time.strftime("%Y-%m-%d"), "cpu": start["cpu"], "cpu_count": start["cpu_count"],
            "loadavg_start": start["loadavg"], "loadavg_end": end["loadavg"], "git_commit": start["git_commit"],
            "python": start["python"], "packages": start["packages"], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
            "commands": commands, "results": str(results), "swap": a.swap,
-           "points": a.points, "engines": engines, "overrides": a.overrides}
+           "points": a.points, "engines": engines, "overrides": a.overrides, "same_server": a.same_server}
     (a.out / "environment.json").write_text(json.dumps(env, indent=1, default=str))
     print(render(a.out))
     held = int((df.get("aa_verdict") == "holds 1.0").sum()) if len(df) else 0
