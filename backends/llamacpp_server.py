@@ -40,7 +40,6 @@ from typing import Any
 
 from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BackendError, BatchOutput, EngineTimeout,
                            LoadPlan, Sampling, check_positive_seconds, checked_settings)
-
 from bench.methods import knobs, synthetic_rates
 
 from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, forced_repack_blamed, killed_by_signal,

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOutput, RequestOutput, Sampling,
                            SettingError, SpecCounters, check_positive_seconds, checked_settings)
-
 from bench.methods import knobs, synthetic_rates
 
 from .processes import Pool, Worker

@@ -233,21 +233,26 @@ def main(argv=None) -> int:
     if a.cmd == "record":
         print(record(a.sweep_dir, a.out, a.title, a.command, a.note, plots=tuple(a.plot)) / "index.md")
         return 0
-    drifted = []
+    pages = {}
     for path in markdown_files(a.paths):
-        text = path.read_text()
         try:
-            new = fill_text(text)
+            pages[path] = fill_text(path.read_text())
         except MarkerError as e:
             print(f"{path}: {e}", file=sys.stderr)
             return 2
-        if new != text:
-            drifted.append(path)
-            if not a.check:
-                path.write_text(new)
-    for path in drifted:
-        print(f"{path}: {'differs from its data' if a.check else 'filled from its data'}")
-    return 1 if a.check and drifted else 0
+    return sync_pages(pages, a.check, "differs from its data", "filled from its data")
+
+
+def sync_pages(pages: dict[Path, str], check: bool, stale: str, written: str) -> int:
+    """Generated pages: each path's text as it should be. Writes the ones that differ (check: writes
+    nothing), names each, and returns the exit status (1 when checking found one that differs)."""
+    differ = [path for path, text in pages.items() if not path.exists() or path.read_text() != text]
+    for path in differ:
+        if not check:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(pages[path])
+        print(f"{path}: {stale if check else written}")
+    return 1 if check and differ else 0
 
 
 if __name__ == "__main__":

@@ -155,18 +155,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=sorted(PAGES), action="append", help="one page (repeatable)")
     a = ap.parse_args(argv)
     build = {"config": config_page, "cli": cli_page}
-    stale = []
-    for name in a.only or sorted(PAGES):
-        text, path = build[name](), PAGES[name]
-        if not path.exists() or path.read_text() != text:
-            stale.append(path)
-            if not a.check:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
-    for path in stale:
-        print(f"{path.relative_to(ROOT)}: {'differs from the code; run python -m bench.reference' if a.check else 'written'}")
-    return 1 if a.check and stale else 0
+    from .published import sync_pages
 
+    pages = {PAGES[name]: build[name]() for name in a.only or sorted(PAGES)}
+    return sync_pages(pages, a.check, "differs from the code; run python -m bench.reference", "written")
 
 if __name__ == "__main__":
     sys.exit(main())
