@@ -153,7 +153,7 @@ def runnable_blocks() -> list[tuple[str, str, list[str]]]:
 
 
 def test_some_blocks_are_marked_runnable():
-    assert len(runnable_blocks()) >= 2
+    assert len(runnable_blocks()) >= 1  # each costs CI minutes (engines start): the ones that cover most
 
 
 @pytest.mark.full
