@@ -35,14 +35,16 @@ class SweepProgress:
         cls.total, cls.done, cls.started = total, 0, time.monotonic()
 
     @classmethod
+    def left_s(cls) -> float | None:
+        """Seconds left at the pace of the jobs done so far (None before the first is done)."""
+        return (time.monotonic() - cls.started) / cls.done * (cls.total - cls.done) if cls.done else None
+
+    @classmethod
     def label(cls) -> str:
         if not cls.total:
             return ""
-        text = f"job {min(cls.done + 1, cls.total)}/{cls.total}"
-        if cls.done:
-            left = (time.monotonic() - cls.started) / cls.done * (cls.total - cls.done)
-            text += f", about {_duration(left)} left"
-        return text
+        left = cls.left_s()
+        return f"job {min(cls.done + 1, cls.total)}/{cls.total}" + (f", about {_duration(left)} left" if left else "")
 
 
 def _duration(seconds: float) -> str:
@@ -172,9 +174,10 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         if SweepProgress.total:
             SweepProgress.done += 1
-            left = SweepProgress.label().partition(", ")[2] if SweepProgress.done < SweepProgress.total else "done"
-            log.info("sweep: %d/%d jobs done (%s elapsed%s)", SweepProgress.done, SweepProgress.total,
-                     _duration(time.monotonic() - SweepProgress.started), f", {left}" if left else "")
+            left = SweepProgress.left_s()
+            log.info("sweep: %d/%d jobs done (%s elapsed, %s)", SweepProgress.done, SweepProgress.total,
+                     _duration(time.monotonic() - SweepProgress.started),
+                     f"about {_duration(left)} left" if left else "done")
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         SweepSummary.checked = True

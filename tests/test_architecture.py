@@ -22,14 +22,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Every module a file imports (relative imports resolved), wherever the import statement is."""
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Every module a file imports (relative imports resolved), wherever the import statement is,
+    or with top_level_only those in its module body (what it needs while it loads)."""
     tree = ast.parse(path.read_text())
     pkg = module_name(path).split(".")
     if path.name != "__init__.py":
         pkg = pkg[:-1]
     out = set()
-    for node in ast.walk(tree):
+    for node in tree.body if top_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -107,29 +108,11 @@ def test_the_harness_never_tests_a_method_or_engine_name(path):
     assert not bad, f"{path.relative_to(ROOT)} compares with a method or engine name: {bad}"
 
 
-def top_level_imports(path: Path) -> set[str]:
-    """The project modules a file imports when it is loaded (its module body, not inside functions)."""
-    tree = ast.parse(path.read_text())
-    sub = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[])
-    pkg = module_name(path).split(".")
-    if path.name != "__init__.py":
-        pkg = pkg[:-1]
-    out = set()
-    for node in sub.body:
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        else:
-            base = pkg[: len(pkg) - node.level + 1] if node.level else []
-            mod = ".".join(base + ([node.module] if node.module else []))
-            out |= {mod} | {f"{mod}.{a.name}" for a in node.names}
-    return out
-
-
 def test_no_import_cycle_among_the_projects_modules():
     """A module never needs, while it loads, a module that needs it back (the oracle's policies
     register themselves instead of policies.py importing adaptive.py and dp.py at its bottom)."""
     files = {module_name(p): p for folder in ("bench", "backends", "workloads") for p in modules(folder)}
-    graph = {m: {d for d in top_level_imports(p) if d in files and d != m} for m, p in files.items()}
+    graph = {m: {d for d in imports(p, top_level_only=True) if d in files and d != m} for m, p in files.items()}
     seen, stack, cycles = set(), [], []
 
     def visit(m):
