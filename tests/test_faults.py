@@ -161,10 +161,19 @@ def test_a_results_dir_the_user_cannot_write_is_refused():
     from bench.config import ConfigError
     from bench.runner import check_results_dir
 
-    if os.geteuid() != 0:
-        pytest.skip("run as an unprivileged user, the refusal is what every results_dir check under a read-only "
-                    "folder gives; this test needs root to drop to one")
     top = Path(tempfile.mkdtemp(dir="/tmp"))
+    if os.geteuid() != 0:  # already unprivileged: the check itself, in this process
+        try:
+            (top / "shared").mkdir()
+            os.chmod(top / "shared", 0o555)
+            with pytest.raises(ConfigError) as e:
+                check_results_dir(top / "shared" / "results" / "sweep", "job")
+            assert str(e.value) == (f"results_dir: cannot write under {top / 'shared'} (no write permission); "
+                                    "choose a results_dir you can write to")
+        finally:
+            os.chmod(top / "shared", 0o755)
+            shutil.rmtree(top)
+        return
     try:
         ro = top / "shared"
         ro.mkdir()
