@@ -208,7 +208,8 @@ class SweepSummary(Callback):
             # report that could not be written is an exit status, while the results stay as written
             try:
                 out = write_report(sweep_dir)
-                print(f"results: {sweep_dir}\nreport:  {out / 'summary.md'} (plots in {out})")
+                print(f"results: {sweep_dir}\nreport:  {out / 'index.html'} (one page, opens offline; the same as "
+                      f"{out / 'summary.md'} and the plots beside it)")
             except Exception as e:
                 log.exception("the report could not be written")
                 print(f"specsweep: every job's results are in {sweep_dir}, but the report failed: {type(e).__name__}: "
