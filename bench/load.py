@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
+from . import metrics
 from .backend import LoadPlan
 
 LOAD_KINDS = ("static", "concurrency", "rate")
@@ -138,19 +139,16 @@ def repeat_tpot_ratios(base_req: pd.DataFrame, spec_req: pd.DataFrame) -> dict:
 
 def median_ratio_interval(spec, base, seed: int, prefix: str, n_boot: int = 2000) -> dict:
     """95% interval of median(spec) / median(base) over paired units (element i of both: one
-    repeat), by a cluster bootstrap that keeps each unit's two values together. NaN with fewer
-    than 2 units."""
+    repeat), by a cluster bootstrap that keeps each unit's two values together (expanded for few
+    units: metrics.bootstrap_interval). NaN with fewer than 2 units."""
     s, b = np.asarray(spec, float), np.asarray(base, float)
     if len(s) < 2:
         return {f"{prefix}_low": math.nan, f"{prefix}_high": math.nan}
     idx = np.random.default_rng(seed).integers(0, len(s), size=(n_boot, len(s)))
     with np.errstate(divide="ignore", invalid="ignore"):
         boots = np.median(s[idx], axis=1) / np.median(b[idx], axis=1)
-    boots = boots[np.isfinite(boots)]
-    if not len(boots):
-        return {f"{prefix}_low": math.nan, f"{prefix}_high": math.nan}
-    lo, hi = np.percentile(boots, [2.5, 97.5])
-    return {f"{prefix}_low": float(lo), f"{prefix}_high": float(hi)}
+    lo, hi = metrics.bootstrap_interval(boots, len(s))
+    return {f"{prefix}_low": lo, f"{prefix}_high": hi}
 
 
 def ratios_by_order(base_req: pd.DataFrame, spec_req: pd.DataFrame, base_goodput: dict, spec_goodput: dict,
@@ -178,34 +176,35 @@ def ratios_by_order(base_req: pd.DataFrame, spec_req: pd.DataFrame, base_goodput
 
 def tpot_speedup_interval(base_req: pd.DataFrame, spec_req: pd.DataFrame, n_boot: int = 2000,
                           seed: int = 0) -> dict:
-    """A 95% interval for tpot_speedup over which requests were drawn: a cluster bootstrap that
-    resamples request ids with replacement, one draw for both arms and every repeat (a request
-    keeps its pair: the same prompt at the same arrival with SD on and off), and recomputes the
-    median over repeats of baseline p50 TPOT / speculative p50 TPOT. The repeats' range says how
-    far runs moved; this says how far the point could move with other requests of the workload.
-    NaN with fewer than 2 requests."""
+    """A 95% interval for tpot_speedup, the median over repeats of baseline p50 TPOT / speculative
+    p50 TPOT: a two-level cluster bootstrap that resamples the repeats (a repeat's two arms
+    together: how far runs move on this machine) and, within them, request ids (one draw for both
+    arms and every repeat, so a request keeps its pair: the same prompt at the same arrival with SD
+    on and off: how far the point moves with other requests of the workload), expanded for few
+    repeats (metrics.bootstrap_interval). With one repeat only requests are resampled. NaN with
+    fewer than 2 requests."""
+    nan = {"tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
     if "request_id" not in spec_req or "request_id" not in base_req:
-        return {"tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
+        return nan
     repeats = sorted(set(spec_req.repeat) & set(base_req.repeat))
     ids = sorted(set(spec_req.request_id) & set(base_req.request_id))
     if len(ids) < 2 or not repeats:
-        return {"tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
+        return nan
 
     def table(req):  # [repeat, request] TPOT, NaN where a request has none (a one-token answer)
         t = req.pivot_table(index="repeat", columns="request_id", values="tpot_s", aggfunc="first", dropna=False)
         return t.reindex(index=repeats, columns=ids).to_numpy(float)
 
     base, spec = table(base_req), table(spec_req)
-    draw = np.random.default_rng(seed).integers(0, len(ids), size=(n_boot, len(ids)))
+    rng = np.random.default_rng(seed)
+    draw = rng.integers(0, len(ids), size=(n_boot, len(ids)))
+    reps = rng.integers(0, len(repeats), size=(n_boot, len(repeats)))  # [boot, repeat drawn]
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN resample of a repeat: NaN, dropped below
         per_repeat = np.nanmedian(base[:, draw], axis=2) / np.nanmedian(spec[:, draw], axis=2)  # [repeat, boot]
-        boots = np.nanmedian(per_repeat, axis=0)
-    boots = boots[np.isfinite(boots)]
-    if not len(boots):
-        return {"tpot_speedup_ci_low": math.nan, "tpot_speedup_ci_high": math.nan}
-    lo, hi = np.percentile(boots, [2.5, 97.5])
-    return {"tpot_speedup_ci_low": float(lo), "tpot_speedup_ci_high": float(hi)}
+        boots = np.nanmedian(np.take_along_axis(per_repeat.T, reps, axis=1), axis=1)
+    lo, hi = metrics.bootstrap_interval(boots, len(repeats) if len(repeats) > 1 else len(ids))
+    return {"tpot_speedup_ci_low": lo, "tpot_speedup_ci_high": hi}
 
 
 def mean_in_flight(req: pd.DataFrame, wall_s: float) -> float:
