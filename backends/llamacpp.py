@@ -52,6 +52,7 @@ class LlamaCppConfig(BackendConfig):
     _target_: str = "backends.llamacpp.LlamaCppBackend"
     name: str = "llamacpp"
     rows_setting = "max_rows"  # the sweep's pre-check holds batch_size / load level to it
+    context_setting, context_shared_by_rows = "n_ctx", True  # and prompt_tokens + max_new_tokens to this
     threads: int | None = None  # null = 2
     n_ctx: int = 8192  # KV slots shared by all the rows of a batch
     max_rows: int = 16  # sequences one context serves (the largest batch_size)

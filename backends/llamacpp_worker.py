@@ -104,11 +104,14 @@ class _Context:
 
         params = self.llm.context_params
         params.n_seq_max, params.kv_unified, params.n_ctx = n_seq, True, cfg["n_ctx"]
+        # One llama_decode takes a whole prompt (a long one too): the logical batch as large as the
+        # context, which llama.cpp runs in micro-batches of n_ubatch (512) tokens.
+        params.n_batch = cfg["n_ctx"]
         params.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[cfg["flash_attn"]]
         self.ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
         self.mem = llama_cpp.llama_get_memory(self.ctx.ctx)
         self.vocab = self.llm.n_vocab()
-        self.batch = LlamaBatch(n_tokens=512, embd=0, n_seq_max=n_seq)
+        self.batch = LlamaBatch(n_tokens=cfg["n_ctx"], embd=0, n_seq_max=n_seq)
 
     def _decode(self, rows) -> list:
         b = self.batch.batch
@@ -282,7 +285,7 @@ class Engine:
         self.target.clear()
         if self.draft is not None:
             self.draft.clear()
-        kw = dict(drafter=drafter, eos_ids=self.eos, gen=gen)
+        kw = dict(drafter=drafter, eos_ids=() if sampling.ignore_eos else self.eos, gen=gen)
         if plan is None:
             rows, cycles, wall = run_static(self.target_model, prompts, max_new_tokens, sp, **kw)
         else:
@@ -343,7 +346,7 @@ class Engine:
                 first = first or now
                 toks.append(int(tok))
                 times.append(now - t_batch)
-                if tok in self.eos or len(toks) >= max_new_tokens:
+                if (tok in self.eos and not sampling.ignore_eos) or len(toks) >= max_new_tokens:
                     break
             full = list(p) + toks
             for c, (n_ctx, prop) in enumerate(drafter.calls if drafter is not None else []):  # replay each proposal

@@ -69,14 +69,16 @@ def request_body(protocol: str, q: Request) -> dict:
     llama-server's prompt cache is off, so no request reuses another's prefill."""
     s = q.sampling
     top_k = s.top_k if s.top_k > 0 else -1
+    past_eos = {"ignore_eos": True} if s.ignore_eos else {}  # llama-server's, vLLM's and SGLang's name alike
     if protocol == "llama_completion":
         return {"prompt": list(q.prompt), "n_predict": q.max_new_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed, "return_tokens": True, "cache_prompt": False}
+                "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed, "return_tokens": True, "cache_prompt": False,
+                **past_eos}
     if protocol == "openai_stream":
         return {"model": q.model, "prompt": list(q.prompt), "max_tokens": q.max_new_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": top_k, "seed": s.seed, "stream": True, "return_token_ids": True}
+                "top_p": s.top_p, "top_k": top_k, "seed": s.seed, "stream": True, "return_token_ids": True, **past_eos}
     params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": top_k,
-              "sampling_seed": s.seed}
+              "sampling_seed": s.seed, **past_eos}
     body = {"input_ids": list(q.prompt), "sampling_params": params}
     return {**body, "stream": True} if protocol == "sglang_stream" else body
 

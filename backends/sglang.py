@@ -63,6 +63,7 @@ class SGLangConfig(BackendConfig):
     context_length: int = 2048
     max_running_requests: int = 8  # at least the largest batch_size (or load level) of the sweep
     rows_setting = "max_running_requests"  # the sweep's pre-check holds batch_size / load level to it
+    context_setting = "context_length"  # and prompt_tokens + max_new_tokens to this
     mem_fraction_static: float = 0.5  # share of GPU memory for weights and KV cache
     disable_cuda_graph: bool = False
     startup_timeout_s: float = 900.0
@@ -212,7 +213,8 @@ class SGLangBackend(Backend):
 
     def _sampling(self, sampling: Sampling, max_new_tokens: int) -> dict:
         return {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "top_k": sampling.top_k if sampling.top_k > 0 else -1, "sampling_seed": sampling.seed}
+                "top_k": sampling.top_k if sampling.top_k > 0 else -1, "sampling_seed": sampling.seed,
+                **({"ignore_eos": True} if sampling.ignore_eos else {})}
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool) -> BatchOutput:
         spec = speculative and bool(self.spec)

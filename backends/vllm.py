@@ -41,6 +41,7 @@ class VLLMConfig(BackendConfig):
     _target_: str = "backends.vllm.VLLMBackend"
     name: str = "vllm"
     rows_setting = "max_num_seqs"  # the sweep's pre-check holds batch_size / load level to it
+    context_setting = "max_model_len"  # and prompt_tokens + max_new_tokens to this
     python: str | None = None  # null = $SPECSWEEP_VLLM_PYTHON, else specsweep-install-vllm's environment
     dtype: str = "float32"  # auto | float32 | bfloat16 | float16
     max_model_len: int = 2048
@@ -210,7 +211,7 @@ class VLLMBackend(Backend):
         w.new_steps()  # steps before this batch (warm-up, tokenizer calls) are not its own
         got = w.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                       "sampling": {"max_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                                   "top_k": sampling.top_k, "seed": sampling.seed}}, self.cfg.request_timeout_s)
+                                   "top_k": sampling.top_k, "seed": sampling.seed, "ignore_eos": sampling.ignore_eos}}, self.cfg.request_timeout_s)
         reqs = []
         for r in got["requests"]:
             ttft, e2e = r["ttft_s"], r["e2e_s"]  # None where vLLM kept no request stats: never filled in

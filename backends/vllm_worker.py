@@ -40,7 +40,7 @@ def main() -> int:
 
         llm, s = state["llm"], req["sampling"]
         params = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                                top_k=s["top_k"] if s["top_k"] > 0 else -1, seed=s.get("seed"), ignore_eos=False)
+                                top_k=s["top_k"] if s["top_k"] > 0 else -1, seed=s.get("seed"), ignore_eos=bool(s.get("ignore_eos")))
         before = counters(llm)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)

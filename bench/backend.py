@@ -27,6 +27,9 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # Generate max_new_tokens whatever the model's end-of-sequence token says (the output-length
+    # axis: a run of 2k new tokens must have them); every engine honours it, both arms alike.
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -127,6 +130,11 @@ class BackendConfig:
     # The setting that caps how many requests the engine runs at once (vLLM's max_num_seqs), where
     # one does: the sweep's pre-check refuses a batch_size or load level above it before any job runs.
     rows_setting: ClassVar[str | None] = None
+    # The setting that caps the tokens a request may hold (prompt + output + a draft), and whether
+    # it is per row (llama-server's ctx_per_slot, vLLM's max_model_len) or shared by the rows of a
+    # batch (llama.cpp's n_ctx): with prompt_tokens set, the pre-check refuses a length it cannot hold.
+    context_setting: ClassVar[str | None] = None
+    context_shared_by_rows: ClassVar[bool] = False
 
     @classmethod
     def setting_names(cls) -> list[str]:

@@ -57,6 +57,11 @@ class SweepConfig:
     top_k: int = 0  # top-k sampling; 0 = off
     num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH  # draft length k: tokens drafted per cycle (at most)
     max_new_tokens: int = 48  # tokens generated per request
+    # Input length in the target's own tokens: each prompt's context is cut to the longest prefix
+    # within it (workloads with long context: code_edit, summarization, rag; others are refused);
+    # null: the workload's own prompt lengths.
+    prompt_tokens: int | None = None
+    ignore_eos: bool = False  # generate max_new_tokens whatever the end-of-sequence token (output-length runs)
     num_prompts: int = 4  # prompts per job (static batches; under load load.num_requests)
     repeats: int = 2  # times every batch is measured, each arm; more repeats, a narrower interval
     warmup: bool = True  # one untimed batch per arm before measuring
@@ -156,6 +161,9 @@ def validate(cfg) -> None:
     problems += method_key_problems(cfg.method)
     if cfg.num_speculative_tokens < 0:
         problems.append(f"num_speculative_tokens={cfg.num_speculative_tokens}: use 0 or more")
+    if cfg.get("prompt_tokens") is not None and cfg.prompt_tokens < 1:
+        problems.append(f"prompt_tokens={cfg.prompt_tokens}: use a positive count of tokens or null (the workload's "
+                        "own lengths)")
     for key in ("max_new_tokens", "num_prompts", "repeats"):
         if cfg[key] < 1:
             problems.append(f"{key}={cfg[key]}: use 1 or more")

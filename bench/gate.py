@@ -122,61 +122,64 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
     acceptance-only gate (status, losslessness and acceptance; speedup and throughput not compared,
     for a run on another machine than the baseline's)."""
     now = {job_key(r): r for _, r in df.iterrows()}
-    rows, failed = [], False
     common = set(now) & set(baseline["jobs"])
     if baseline["jobs"] and not common:
         _explain_mismatch(now, baseline)
         raise GateError("the run and the baseline have no job in common; baseline jobs: "
                         + ", ".join(sorted(baseline["jobs"])[:6]) + "; run jobs: " + ", ".join(sorted(now)[:6]))
+    rows = []
     for key in sorted(baseline["jobs"]):
-        base = baseline["jobs"][key]
         if key not in now:
             rows.append((key, "job", "recorded", "missing", "", "missing" if allow_missing else "FAIL"))
-            failed |= not allow_missing
             continue
         r = now[key]
         if r.get("status") != "ok":
             rows.append((key, "status", "ok", r.get("status"), str(r.get("error"))[:80], "FAIL"))
-            failed = True
             continue
-        m = base["metrics"]
-        lossless_ok = r.get("lossless") in ("true", "n/a") and not (m.get("lossless") == "true" and r.get("lossless") != "true")
-        rows.append((key, "lossless", m.get("lossless"), r.get("lossless"), "", "ok" if lossless_ok else "FAIL"))
-        failed |= not lossless_ok
-        checks = [(k, m.get(k), _num(r.get(k))) for k in ACCEPTANCE_METRICS]
-        for j, (b_j, n_j) in enumerate(zip(m.get("per_position_acceptance") or [], list(r.get("per_position_acceptance") or []))):
-            checks.append((f"per_position_acceptance[{j + 1}]", _num(b_j), _num(n_j)))
-        for name, b_v, n_v in checks:
-            if b_v is None:
-                continue
-            tol = tolerances.get(name.split("[")[0], tolerances.get("acceptance", 0.05))
-            ch = _rel(n_v, b_v)
-            verdict = "FAIL" if ch is None or ch < -tol else ("improved" if ch > tol else "ok")
-            failed |= verdict == "FAIL"
-            rows.append((key, name, b_v, n_v, ch, verdict))
-        if not speed:
-            continue
-        # Noise-aware: fail only if this run's optimistic end is clearly below the record.
-        sp_b, sp_n, sp_hi = m.get("speedup"), _num(r.get("speedup")), _num(r.get("speedup_ci_high"))
-        if sp_b is not None and sp_n is not None:
-            hi = sp_hi if sp_hi is not None else sp_n
-            verdict = "FAIL" if hi < sp_b * (1 - speedup_tol) else "ok"
-            failed |= verdict == "FAIL"
-            rows.append((key, "speedup", sp_b, sp_n, _rel(sp_n, sp_b), verdict))
-        tp_b, tp_n = m.get("tokens_per_s"), _num(r.get("tokens_per_s"))
-        if tp_b is not None and tp_n is not None:
-            widen = (sp_hi / sp_n) if sp_hi and sp_n else 1.0
-            verdict = "FAIL" if tp_n * widen < tp_b * (1 - throughput_tol) else "ok"
-            failed |= verdict == "FAIL"
-            rows.append((key, "tokens_per_s", tp_b, tp_n, _rel(tp_n, tp_b), verdict))
+        m = baseline["jobs"][key]["metrics"]
+        rows += _acceptance_checks(key, m, r, tolerances)
+        if speed:
+            rows += _speed_checks(key, m, r, speedup_tol, throughput_tol)
     for key in sorted(set(now) - set(baseline["jobs"])):
         r = now[key]
         if r.get("status") in ("error", "timeout"):  # a failed job fails the gate, recorded or not
             rows.append((key, "status", "-", r.get("status"), str(r.get("error"))[:80], "FAIL"))
-            failed = True
         else:
             rows.append((key, "job", "-", r.get("status"), "", "new"))
-    return rows, failed
+    return rows, any(row[-1] == "FAIL" for row in rows)
+
+
+def _acceptance_checks(key: str, m: dict, r, tolerances: dict) -> list[tuple]:
+    """Losslessness (a recorded true must stay true), then every acceptance metric and position
+    against the record: FAIL below it by more than its tolerance, improved above."""
+    lossless_ok = r.get("lossless") in ("true", "n/a") and not (m.get("lossless") == "true" and r.get("lossless") != "true")
+    rows = [(key, "lossless", m.get("lossless"), r.get("lossless"), "", "ok" if lossless_ok else "FAIL")]
+    checks = [(k, m.get(k), _num(r.get(k))) for k in ACCEPTANCE_METRICS]
+    for j, (b_j, n_j) in enumerate(zip(m.get("per_position_acceptance") or [], list(r.get("per_position_acceptance") or []))):
+        checks.append((f"per_position_acceptance[{j + 1}]", _num(b_j), _num(n_j)))
+    for name, b_v, n_v in checks:
+        if b_v is None:
+            continue
+        tol = tolerances.get(name.split("[")[0], tolerances.get("acceptance", 0.05))
+        ch = _rel(n_v, b_v)
+        rows.append((key, name, b_v, n_v, ch, "FAIL" if ch is None or ch < -tol else ("improved" if ch > tol else "ok")))
+    return rows
+
+
+def _speed_checks(key: str, m: dict, r, speedup_tol: float, throughput_tol: float) -> list[tuple]:
+    """Noise-aware: fail only if this run's optimistic end (its interval's top) is clearly below
+    the record; throughput widened by the same factor."""
+    rows = []
+    sp_b, sp_n, sp_hi = m.get("speedup"), _num(r.get("speedup")), _num(r.get("speedup_ci_high"))
+    if sp_b is not None and sp_n is not None:
+        hi = sp_hi if sp_hi is not None else sp_n
+        rows.append((key, "speedup", sp_b, sp_n, _rel(sp_n, sp_b), "FAIL" if hi < sp_b * (1 - speedup_tol) else "ok"))
+    tp_b, tp_n = m.get("tokens_per_s"), _num(r.get("tokens_per_s"))
+    if tp_b is not None and tp_n is not None:
+        widen = (sp_hi / sp_n) if sp_hi and sp_n else 1.0
+        rows.append((key, "tokens_per_s", tp_b, tp_n, _rel(tp_n, tp_b),
+                     "FAIL" if tp_n * widen < tp_b * (1 - throughput_tol) else "ok"))
+    return rows
 
 
 def _explain_mismatch(now: dict, baseline: dict) -> None:

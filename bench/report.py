@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402, I001
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from . import lengths_report  # noqa: E402
 from .html_report import write_html
 from .methods import speculative_rows
 from .results import find_sweep_dirs, load_summaries
@@ -277,7 +278,8 @@ def load_markdown(df: pd.DataFrame) -> list[str]:
     return lines + [""]
 
 
-PLOTS = (plot_speedup_vs_load, plot_latency_vs_throughput, plot_speedup_vs_batch, plot_per_position, plot_time_split, plot_predicted_vs_measured, plot_acceptance_vs_temperature)
+PLOTS = (plot_speedup_vs_load, plot_latency_vs_throughput, plot_speedup_vs_batch, plot_per_position, plot_time_split,
+         plot_predicted_vs_measured, plot_acceptance_vs_temperature, *lengths_report.PLOTS)
 
 
 def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
@@ -302,6 +304,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
              markdown_table(d, REPORT_COLUMNS), ""]
     lines += controls_markdown(controls)
     lines += load_markdown(df)
+    lines += lengths_report.lengths_markdown(df)
     lines += flags_markdown(df)
     from .recommend import markdown as rec_markdown, recommend
 

@@ -71,6 +71,9 @@ class JobKey:
             hashed["load"] = c["load"]
         if c.get("aa_control"):  # an A/A control is not the method's own job (other jobs keep their keys)
             hashed["aa_control"] = True
+        for key in ("prompt_tokens", "ignore_eos"):  # likewise a set input length, outputs past EOS
+            if c.get(key):
+                hashed[key] = c[key]
         return cls(*(c[g]["name"] for g in groups), *(c[f.name] for f in fields(cls)[4:-1]),
                    config_hash=short_hash(hashed))
 
@@ -171,6 +174,8 @@ def job_name(cfg: dict) -> str:
              f"t{_num(cfg['temperature'])}"]
     if m.get("speculative", True):
         parts.append(f"k{cfg['num_speculative_tokens']}")
+    if cfg.get("prompt_tokens"):
+        parts.append(f"in{cfg['prompt_tokens']}")
     if cfg.get("aa_control"):
         parts.append("aa")
     return "-".join(parts) + "-" + short_hash(job_identity(cfg))
@@ -184,6 +189,9 @@ def job_identity(cfg: dict) -> dict:
         drop.add("load")  # static jobs keep the identity (and folder names) they had
     if not cfg.get("aa_control"):
         drop.add("aa_control")  # likewise every job that is not an A/A control
+    for key in ("prompt_tokens", "ignore_eos"):  # and every job at its workload's own lengths
+        if not cfg.get(key):
+            drop.add(key)
     return {k: v for k, v in cfg.items() if k not in drop}
 
 

@@ -41,6 +41,7 @@ ACCEPT, SPEED, ROOF = "The acceptance record", "Speedup and its interval", "Base
 AA = "The A/A control"
 COST, LAT, LOAD = "Cost ratios and the prediction", "Latency: one contract", "Under load (`load=concurrency`, `load=rate`)"
 LOSSLESS, ERRORS = "Losslessness", "Errors"
+POSITION = "Input length and output position"
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class JobSummary(JobKey):
     # --- how the job was run -------------------------------------------------------------------
     repeats: int = col("timed repeats of every batch, each arm")
     baseline_mode: str = col("paired (baseline and method batch by batch, alternating) or shared (one baseline per engine setting, reused)", SPEED)
+    prompt_tokens: int = col("the input length asked for (prompt_tokens), in the target's tokens; empty: the workload's own lengths", POSITION)
+    prompt_tokens_median: float = col("the prompts' median length as measured, in the target's tokens (requests.parquet n_prompt)", POSITION)
     aa_control: bool = col("an A/A control: the method arm is the same engine without speculation, through the method arm's code path", AA)
     speculative: bool = col("whether the method speculates (its config's speculative); false for the baseline method and for A/A controls")
     load_kind: str = col("static (batches of batch_size), concurrency (a closed loop) or rate (an open loop of gamma-distributed arrivals)", LOAD)
@@ -141,6 +144,8 @@ class JobSummary(JobKey):
     request_acceptance_p90: float = col("alpha per request, 90th percentile")
     drafted_share: float = col("share of cycles that had a draft at all", ACCEPT)
     draft_sources: dict = col("combined and adaptive methods: per drafter, its share of cycles and its acceptance")
+    acceptance_by_output_bucket: dict = col("per output-position bucket (tokens 0-255, 256-1023, 1024-4095, 4096+): acceptance_rate, mean_acceptance_length, cycles and tokens of the cycles that started there; engines with a per-cycle trace", POSITION)
+    speedup_by_output_bucket: dict = col("per output-position bucket both arms reached: method tokens/s over baseline tokens/s of the decode cycles there (a batched cycle's time shared by its rows)", POSITION)
     # --- cost ratios -------------------------------------------------------------------------------
     verify_cost_ratio: float = col("r: median verify time of full-k cycles / median baseline step at that batch shape", COST)
     draft_cost_ratio: float = col("c: median draft time of full-k cycles / k / median baseline step", COST)

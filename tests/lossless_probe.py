@@ -3,12 +3,12 @@ margins during a timed run, so a test that needs a decision's margin asks the en
 through the same probe the harness uses (Backend.margins_across_shapes)."""
 import pandas as pd
 
-from bench.runner import _lossless, _weigh_divergences
+from bench.lossless import compare_outputs, weigh_divergences
 
 
 def weighed_lossless(backend, prompt_ids, base_outputs, spec_outputs, k: int, tol: float = 0.05) -> dict:
     """The harness's verdict on two arms' BatchOutputs (request i of both arms answers prompt_ids[i],
-    in order): divergences found, then weighed by the engine. Returns _weigh_divergences' counts
+    in order): divergences found, then weighed by the engine. Returns weigh_divergences' counts
     and the detail."""
     base = [r for o in base_outputs for r in o.requests]
     spec = [r for o in spec_outputs for r in o.requests]
@@ -17,11 +17,11 @@ def weighed_lossless(backend, prompt_ids, base_outputs, spec_outputs, k: int, to
                             "output_token_ids": [list(r.output_token_ids) for r in base]})
     spec_df = pd.DataFrame({"request_id": names, "repeat": 0, "output_token_ids": [list(r.output_token_ids) for r in spec]})
     cfg = {"temperature": 0.0, "lossless_margin_tol": tol, "num_speculative_tokens": k}
-    detail = _lossless(cfg, base_df, spec_df)[3]
+    detail = compare_outputs(cfg, base_df, spec_df)[3]
     if not detail:
         return {"lossless": "true", "lossless_divergences": 0, "lossless_near_ties": 0, "lossless_shape_ties": 0,
                 "detail": []}
-    return {**_weigh_divergences(backend, cfg, base_df, spec_df, detail, "test"), "detail": detail}
+    return {**weigh_divergences(backend, cfg, base_df, spec_df, detail, "test"), "detail": detail}
 
 
 def clearest_decision(backend, prompt: list[int], output: list[int], other: int, start: int = 0) -> list[tuple[int, float]]:

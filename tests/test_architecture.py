@@ -10,7 +10,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_NEVER_FROM_ADAPTERS = ("bench.runner", "bench.metrics", "bench.report", "bench.recommend", "bench.tuned",
-                               "bench.gate", "bench.cli", "bench.sweeper", "bench.summary", "bench.load")
+                               "bench.gate", "bench.cli", "bench.sweeper", "bench.summary", "bench.load", "bench.measure",
+                               "bench.lossless", "bench.jobtimer")
 
 
 def modules(folder: str) -> list[Path]:
@@ -73,7 +74,11 @@ def test_the_harness_reaches_adapters_only_through_their_registered_configs():
 
 
 def test_metrics_summary_and_oracle_stay_below_the_runner():
-    assert not offending([ROOT / "bench" / "metrics.py"], ("bench.runner", "bench.report", "backends", "bench.cli"))
+    assert not offending(modules("bench/metrics"), ("bench.runner", "bench.report", "backends", "bench.cli",
+                                                    "bench.lossless"))
+    # the measurement stage records, the metrics compute: measure never computes a metric
+    assert not offending([ROOT / "bench" / "measure.py"], ("bench.metrics", "bench.runner", "bench.lossless", "backends"))
+    assert not offending([ROOT / "bench" / "lossless.py"], ("bench.runner", "bench.measure", "backends"))
     assert not offending([ROOT / "bench" / "summary.py"], ("bench.runner", "bench.report", "bench.gate", "backends"))
     assert not offending(modules("bench/oracle"), ("bench.runner", "bench.report", "backends", "bench.cli"))
 
@@ -148,12 +153,10 @@ def test_http_goes_through_serving_only():
 
 def test_no_adapter_writes_a_method_knobs_default_again():
     """A method knob's default is written once, in conf/method/<name>.yaml; adapters read knobs
-    through bench.methods.knobs, never `method.get("min_ngram", 1)` with a default of their own.
-    (Left, and listed here until it goes: the native engine's draft_layers fallback, n_layers // 3,
-    which tests of tiny models rely on where the yaml's 14 exceeds their depth.)"""
+    through bench.methods.knobs, never `method.get("min_ngram", 1)` with a default of their own."""
     names = {k for p in (ROOT / "conf" / "method").glob("*.yaml") for k in yaml.safe_load(p.read_text())} - {
         "name", "speculative", "drafter"}
-    allowed = {("backends/native/backend.py", "draft_layers")}
+    allowed: set = set()
     found = []
     for path in modules("backends"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -8,10 +8,11 @@ import pandas as pd
 import pytest
 
 from bench.backend import SpecCounters
-from bench.runner import summarize
+from bench.measure import ArmRecord, Measured
+from bench.metrics.job import summarize
 
 K = 2
-CFG = {"num_speculative_tokens": K, "seed": 0, "temperature": 0.0, "lossless_margin_tol": 0.0}
+CFG = {"num_speculative_tokens": K, "seed": 0, "temperature": 0.0, "lossless_margin_tol": 0.0, "load": {"kind": "static"}}
 
 
 def steps(rows):
@@ -26,14 +27,21 @@ def requests(run):
                           "top2_margins": None, "drafted": None, "accepted": None}])
 
 
+def measured(spec_steps, base_steps) -> Measured:
+    """A job's record: one batch per arm, 10 tokens/s without speculation and 15 with."""
+    base = ArmRecord(requests("baseline"), pd.DataFrame(), base_steps, [{"repeat": 0, "batch": 0, "tokens": 10, "wall_s": 1.0}])
+    spec = ArmRecord(requests("spec"), pd.DataFrame(), spec_steps, [{"repeat": 0, "batch": 0, "tokens": 15, "wall_s": 1.0}],
+                     SpecCounters(3, 5, 4, [3, 1]))
+    return Measured(base, spec)
+
+
 def test_time_split_and_cost_ratios_come_from_timed_steps():
     spec = steps([(1, 0, False, 9.0, 9.0, 9.0),      # prefill: left out of the split
                   (1, 2, True, 0.3, 0.1, 0.1),       # full drafts
                   (1, 2, True, 0.3, 0.1, 0.1),
                   (1, 1, True, 0.2, 0.1, 0.2)])      # a short draft: in the split, not in the ratios
     base = steps([(1, 0, True, 0.2, 0.0, 0.05)] * 3 + [(1, 0, False, 5.0, 0.0, 1.0)])
-    s = summarize(CFG, requests("baseline"), pd.DataFrame(), requests("spec"), pd.DataFrame(), [10.0], [15.0], True,
-                  SpecCounters(3, 5, 4, [3, 1]), spec, base)
+    s = summarize(CFG, measured(spec, base))
     total = 0.3 + 0.1 + 0.1 + 0.3 + 0.1 + 0.1 + 0.2 + 0.1 + 0.2
     assert s["verify_fraction"] == pytest.approx(0.8 / total) and s["draft_fraction"] == pytest.approx(0.3 / total)
     assert s["time_split"].startswith("measured")
@@ -44,7 +52,6 @@ def test_time_split_and_cost_ratios_come_from_timed_steps():
 
 
 def test_without_steps_the_split_is_unavailable():
-    s = summarize(CFG, requests("baseline"), pd.DataFrame(), requests("spec"), pd.DataFrame(), [10.0], [15.0], True,
-                  SpecCounters(3, 5, 4, [3, 1]), pd.DataFrame(), None)
+    s = summarize(CFG, measured(pd.DataFrame(), pd.DataFrame()))
     assert s["time_split"].startswith("unavailable") and math.isnan(s["verify_fraction"])
     assert math.isnan(s["verify_cost_ratio"])

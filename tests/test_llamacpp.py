@@ -257,7 +257,7 @@ def test_a_divergence_is_weighed_against_the_in_process_engines_own_batch_shapes
     divergence stays a failure, with its margins in the detail."""
     import pandas as pd
 
-    from bench.runner import _lossless, _weigh_divergences
+    from bench.lossless import compare_outputs, weigh_divergences
 
     b = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, num_speculative_tokens=4)
     try:
@@ -274,8 +274,8 @@ def test_a_divergence_is_weighed_against_the_in_process_engines_own_batch_shapes
         base = pd.DataFrame({"request_id": ["a"], "repeat": [0], "prompt_token_ids": [ids], "output_token_ids": [out_ids]})
         spec = pd.DataFrame({"request_id": ["a"], "repeat": [0], "output_token_ids": [out_ids[:i] + [other]]})
         cfg = {"temperature": 0.0, "lossless_margin_tol": 0.05, "num_speculative_tokens": 4}
-        detail = _lossless(cfg, base, spec)[3]
-        got = _weigh_divergences(b, cfg, base, spec, detail, "job")
+        detail = compare_outputs(cfg, base, spec)[3]
+        got = weigh_divergences(b, cfg, base, spec, detail, "job")
     finally:
         b.close()
     assert got == {"lossless": "false", "lossless_divergences": 1, "lossless_near_ties": 0, "lossless_shape_ties": 0}

@@ -207,7 +207,7 @@ def test_a_divergence_is_weighed_against_the_servers_own_batch_shapes(model_link
     import httpx
     import pandas as pd
 
-    from bench.runner import _lossless, _weigh_divergences
+    from bench.lossless import compare_outputs, weigh_divergences
 
     b = LlamaServerBackend({"path": model_link}, {"name": "ngram"}, num_speculative_tokens=4)
     b.set_artifact_dir(tmp_path / "job")
@@ -230,8 +230,8 @@ def test_a_divergence_is_weighed_against_the_servers_own_batch_shapes(model_link
                              "output_token_ids": [list(r.output_token_ids)]})
         spec = pd.DataFrame({"request_id": ["a"], "repeat": [0], "output_token_ids": [prefix[len(ids):] + [runner_up]]})
         cfg = {"temperature": 0.0, "lossless_margin_tol": 0.05, "num_speculative_tokens": 4}
-        detail = _lossless(cfg, base, spec)[3]
-        out = _weigh_divergences(b, cfg, base, spec, detail, "job")
+        detail = compare_outputs(cfg, base, spec)[3]
+        out = weigh_divergences(b, cfg, base, spec, detail, "job")
         # at clear decisions the shapes agree closely: a probe whose cache held the wrong tokens would not
         clear = sorted(margins, key=lambda j: -margins[j])[:3]
         spreads = []

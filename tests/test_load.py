@@ -108,7 +108,7 @@ def test_a_level_whose_repeats_straddle_1_does_not_pay():
 def test_the_running_batch_comes_from_the_trace_else_the_engines_decode_steps():
     import pandas as pd
 
-    from bench.runner import running_batch
+    from bench.metrics.job import running_batch
 
     cyc = pd.DataFrame({"run": "spec", "repeat": 0, "batch": 0, "cycle": [0, 0, 1], "kv_len": 1, "batch_rows": [2, 2, 1],
                         "drafted": 1, "t_verify": 0.1, "t_draft": 0.0, "t_other": 0.0})

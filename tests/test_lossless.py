@@ -4,7 +4,7 @@ engine records margins in a timed run: each divergence is weighed afterwards, by
 import pandas as pd
 
 from bench.backend import Backend
-from bench.runner import _lossless, _weigh_divergences
+from bench.lossless import compare_outputs, weigh_divergences
 from lossless_probe import clearest_decision  # tests/lossless_probe.py
 
 CFG = {"temperature": 0.0, "lossless_margin_tol": 0.05, "num_speculative_tokens": 3}
@@ -33,15 +33,15 @@ class _Answers:
 
 
 def test_identical_outputs_are_lossless_and_nothing_is_asked():
-    assert _lossless(CFG, _base(), _spec([1, 2, 3], [4, 5, 6])) == ("true", 0, 0, [])
+    assert compare_outputs(CFG, _base(), _spec([1, 2, 3], [4, 5, 6])) == ("true", 0, 0, [])
 
 
 def test_divergence_at_a_near_tie_is_recorded_not_failed():
     base, spec = _base(), _spec([1, 9, 3], [4, 5, 6])
-    verdict, divergences, near, detail = _lossless(CFG, base, spec)
+    verdict, divergences, near, detail = compare_outputs(CFG, base, spec)
     assert (verdict, divergences, near) == ("false", 1, 0)  # a divergence, to be weighed
     engine = _Answers({((7, 8, 1), 2, 9): [0.01, 0.9, 0.9, 0.9, 0.9]})  # a decode step barely preferred 2 over 9
-    got = _weigh_divergences(engine, CFG, base, spec, detail, "job")
+    got = weigh_divergences(engine, CFG, base, spec, detail, "job")
     assert got == {"lossless": "true", "lossless_divergences": 0, "lossless_near_ties": 1, "lossless_shape_ties": 0}
     assert engine.asked == [((7, 8, 1), 2, 9, (1, 2, 3, 4, 0))]  # the baseline's prefix, its token against the method's
     assert detail[0]["decode_margin"] == 0.01 and detail[0]["near_tie"] is True
@@ -49,30 +49,30 @@ def test_divergence_at_a_near_tie_is_recorded_not_failed():
 
 def test_divergence_with_a_clear_margin_fails():
     base, spec = _base(), _spec([1, 2, 3], [4, 7, 6])
-    detail = _lossless(CFG, base, spec)[3]
-    got = _weigh_divergences(_Answers({((7, 9, 4), 5, 7): [1.0, 1.1, 1.0, 0.95, 1.05]}), CFG, base, spec, detail, "job")
+    detail = compare_outputs(CFG, base, spec)[3]
+    got = weigh_divergences(_Answers({((7, 9, 4), 5, 7): [1.0, 1.1, 1.0, 0.95, 1.05]}), CFG, base, spec, detail, "job")
     assert got == {"lossless": "false", "lossless_divergences": 1, "lossless_near_ties": 0, "lossless_shape_ties": 0}
     assert detail[0]["decode_margin"] == 1.0 and not detail[0]["near_tie"] and not detail[0]["shape_tie"]
 
 
 def test_a_margin_the_shapes_move_across_zero_is_a_shape_tie():
     base, spec = _base(), _spec([1, 2, 3], [4, 7, 6])
-    detail = _lossless(CFG, base, spec)[3]
-    got = _weigh_divergences(_Answers({((7, 9, 4), 5, 7): [0.3, -0.1, 0.2, 0.3, 0.25]}), CFG, base, spec, detail, "job")
+    detail = compare_outputs(CFG, base, spec)[3]
+    got = weigh_divergences(_Answers({((7, 9, 4), 5, 7): [0.3, -0.1, 0.2, 0.3, 0.25]}), CFG, base, spec, detail, "job")
     assert got == {"lossless": "true", "lossless_divergences": 0, "lossless_near_ties": 0, "lossless_shape_ties": 1}
 
 
 def test_the_same_divergence_in_every_repeat_is_asked_once():
     base = _base()
     spec = pd.concat([_spec([1, 2, 3], [4, 7, 6]), _spec([1, 2, 3], [4, 7, 6]).assign(repeat=2)], ignore_index=True)
-    detail = _lossless(CFG, base, spec)[3]
+    detail = compare_outputs(CFG, base, spec)[3]
     engine = _Answers({((7, 9, 4), 5, 7): [2.0, 2.0, 2.0, 2.0, 2.0]})
-    got = _weigh_divergences(engine, CFG, base, spec, detail, "job")
+    got = weigh_divergences(engine, CFG, base, spec, detail, "job")
     assert got["lossless_divergences"] == 2 and len(engine.asked) == 1
 
 
 def test_sampling_is_not_checked_token_for_token():
-    assert _lossless({**CFG, "temperature": 0.7}, _base(), _spec([9], [9]))[0] == "n/a"
+    assert compare_outputs({**CFG, "temperature": 0.7}, _base(), _spec([9], [9]))[0] == "n/a"
 
 
 def test_a_margin_the_engines_shapes_move_across_zero_or_by_its_size_is_within_its_numerics():
@@ -94,12 +94,12 @@ class _CannotScore:
 
 
 def test_a_divergence_an_engine_cannot_weigh_stays_a_failure_with_why():
-    from bench.runner import _weigh_divergences
+    from bench.lossless import weigh_divergences
 
     base = _base().assign(prompt_token_ids=[[7, 8], [7, 9]])
     spec = _spec([1, 2, 3], [4, 7, 6])
-    verdict, failures, near, detail = _lossless(CFG, base, spec)
-    out = _weigh_divergences(_CannotScore(), {**CFG, "num_speculative_tokens": 3}, base, spec, detail, "job")
+    verdict, failures, near, detail = compare_outputs(CFG, base, spec)
+    out = weigh_divergences(_CannotScore(), {**CFG, "num_speculative_tokens": 3}, base, spec, detail, "job")
     assert out == {"lossless": "false", "lossless_divergences": 1, "lossless_near_ties": 0, "lossless_shape_ties": 0}
     assert detail[0]["shape_tie"] is False and "vllm cannot score a prefix" in detail[0]["probe"]
 
@@ -113,7 +113,7 @@ def test_the_native_engine_scores_a_prefix_under_batch_shapes(tiny_llama):
     the cache holds another text, so a probe that read what it did not write would be seen."""
     from backends.native.backend import NativeBackend
     from bench.backend import Sampling
-    from bench.runner import _weigh_divergences
+    from bench.lossless import weigh_divergences
 
     b = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=3)
     ids = b.tokenize("def add(a, b):\n    return a + b\n")
@@ -132,8 +132,8 @@ def test_the_native_engine_scores_a_prefix_under_batch_shapes(tiny_llama):
     base = pd.DataFrame({"request_id": ["a"], "repeat": [0], "prompt_token_ids": [ids], "output_token_ids": [out_ids]})
     spec = pd.DataFrame({"request_id": ["a"], "repeat": [0], "output_token_ids": [out_ids[:i] + [other]]})
     cfg = {**CFG, "num_speculative_tokens": 3}
-    detail = _lossless(cfg, base, spec)[3]
-    got = _weigh_divergences(b, cfg, base, spec, detail, "job")
+    detail = compare_outputs(cfg, base, spec)[3]
+    got = weigh_divergences(b, cfg, base, spec, detail, "job")
     assert got == {"lossless": "false", "lossless_divergences": 1, "lossless_near_ties": 0, "lossless_shape_ties": 0}
     d = detail[0]
     assert d["shapes"] == [1, 2, 3, 4, 0] and d["shape_tie"] is False and "probe" not in d

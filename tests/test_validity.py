@@ -18,7 +18,8 @@ from bench.backend import Backend, BatchOutput, RequestOutput, SpecCounters
 from bench.gate import main as gate
 from bench.report import flags_markdown
 from bench.results import JobKey, baseline_identity, write_json
-from bench.runner import Measurement, error_kind, latency_note
+from bench.measure import Measurement, latency_note
+from bench.runner import error_kind
 
 
 def specsweep(*args, timeout=900):

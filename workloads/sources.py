@@ -26,6 +26,12 @@ class Prompt:
     id: str
     text: str
     category: str
+    # A long-context prompt (prompt_tokens): head + context[:n] + tail, for the n that reaches the
+    # target length in the target's tokens (workloads.long_context.fit_prompt); text is then the
+    # prompt without context until it is fitted.
+    head: str = ""
+    context: str = ""
+    tail: str = ""
 
 
 def _choose(items: list, n: int, seed: int, what: str) -> list:
@@ -270,7 +276,9 @@ def settings(name: str) -> list[str]:
             if p.name not in ("num_prompts", "seed") and p.kind is not inspect.Parameter.VAR_KEYWORD]
 
 
-def load_prompts(name: str, num_prompts: int, seed: int, **params) -> list[Prompt]:
+def load_prompts(name: str, num_prompts: int, seed: int, prompt_tokens: int | None = None, **params) -> list[Prompt]:
+    """A workload's prompts; with prompt_tokens, each with enough context to reach that many of the
+    target's tokens once fitted (workloads/long_context.py)."""
     if name not in WORKLOADS:
         raise WorkloadError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
     # A setting of another workload is passed by a sweep over several (each function ignores the
@@ -284,4 +292,8 @@ def load_prompts(name: str, num_prompts: int, seed: int, **params) -> list[Promp
                                 f"{', '.join(settings(name)) or 'none'}")
     if num_prompts < 1:
         raise WorkloadError(f"num_prompts={num_prompts} is not valid; use 1 or more")
+    if prompt_tokens:
+        from .long_context import long_prompts
+
+        return long_prompts(name, num_prompts, seed, prompt_tokens, **params)
     return WORKLOADS[name](num_prompts, seed, **params)

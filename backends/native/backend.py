@@ -182,7 +182,7 @@ class NativeBackend(Backend):
                         f"{dtok.get_vocab_size()}), the target {self.args.vocab_size} (tokenizer "
                         f"{self.tokenizer.get_vocab_size()}); a draft model must share the target's tokenizer")
                 return ModelDrafter(draft, k, f"draft model {m['draft_path']}{vocab_note}", vocab)
-            L = m.get("draft_layers", n_layers // 3)
+            L = knobs("draft_model", m)["draft_layers"]  # conf/method/draft_model.yaml's, unless the job sets it
             label = f"derived from target: its first {L} of {n_layers} layers + its output head (untrained){vocab_note}"
             return ModelDrafter(self.model.truncated(L), k, label, vocab)
         if name == "layer_skip":
@@ -262,7 +262,8 @@ class NativeBackend(Backend):
             setup(self.model, spec, plan["plan"].max_rows if plan else len(prompts), max_len_for(prompts, max_new_tokens, spec))
             for m in self._transformers():
                 m.warm_compiled()
-        rows, cycles, wall = run(self.model, prompts, max_new_tokens, sp, drafter=drafter, eos_ids=self.eos, gen=gen,
+        eos = () if sampling.ignore_eos else self.eos
+        rows, cycles, wall = run(self.model, prompts, max_new_tokens, sp, drafter=drafter, eos_ids=eos, gen=gen,
                                  trace=self.cfg.trace, **plan)
         reqs = [RequestOutput(r.tokens, r.ttft_s, r.emit_times[-1], r.emit_times, finished_by=r.finished_by,
                               submitted_s=r.submitted_s) for r in rows]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backend import SpecCounters
+from ..backend import SpecCounters
 
 if TYPE_CHECKING:  # pandas is imported where it is used: the oracle's simulator reads this module's
     import pandas as pd  # definitions without it, and specsweep-oracle loads pandas while it simulates

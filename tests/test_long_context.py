@@ -1,0 +1,123 @@
+"""The input-length axis (prompt_tokens): long prompts built from text this machine has, cut to a
+length in the engine's own tokens, refused where a workload cannot reach it (before any model
+loads), and measured without carrying state from one repeat of a prompt into the next."""
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from bench.cli import CONF_DIR
+from workloads import WorkloadError, load_prompts
+from workloads.long_context import fit_prompt
+
+
+def _cfg(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=[f"results_dir={tmp_path}", "sweep_name=long", "report=false", *overrides])
+
+
+def test_a_workload_without_long_context_or_a_length_past_its_text_is_refused_naming_what_can():
+    with pytest.raises(WorkloadError, match=r"workload chat has no long context.*code_edit.*summarization.*rag"):
+        load_prompts("chat", 2, 0, prompt_tokens=512)
+    with pytest.raises(WorkloadError, match=r"prompt_tokens=100000000: workload summarization holds at most \d+"):
+        load_prompts("summarization", 2, 0, prompt_tokens=10**8)
+
+
+@pytest.mark.parametrize("workload", ["code_edit", "summarization", "rag"])
+def test_a_prompt_is_cut_to_the_longest_context_within_the_target(workload):
+    tokenize = lambda text: text.split()  # noqa: E731 (a word tokenizer: every count checkable by hand)
+    p = load_prompts(workload, 1, 3, prompt_tokens=700)[0]
+    fitted, ids = fit_prompt(p, 700, tokenize)
+    assert 0.99 * 700 <= len(ids) <= 700 and ids == tokenize(fitted.text)
+    assert fitted.text.startswith(p.head) and fitted.text.endswith(p.tail)  # the instruction stays whole
+    longer = p.head + p.context[:len(fitted.context) + 40] + p.tail
+    assert len(tokenize(longer)) > 700  # no longer prefix would have fitted
+    with pytest.raises(WorkloadError, match="tokens before any context"):
+        fit_prompt(p, 3, tokenize)
+
+
+def test_prompt_tokens_is_checked_and_names_its_jobs(tmp_path):
+    from bench.config import ConfigError
+    from bench.results import job_name
+    from bench.runner import JobSpec, check_job
+
+    with pytest.raises(ConfigError, match="prompt_tokens=0: use a positive count"):
+        check_job(_cfg(tmp_path, "prompt_tokens=0"))
+    with pytest.raises(WorkloadError, match="workload math has no long context"):
+        check_job(_cfg(tmp_path, "workload=math", "prompt_tokens=512"))  # before any model loads
+    # the engine's context must hold prompt + output + a draft: refused before the sweep, naming the setting
+    with pytest.raises(ValueError, match=r"need 9222 tokens; backend.n_ctx=8192 holds fewer: raise it \(backend.n_ctx=9222\)"):
+        check_job(_cfg(tmp_path, "backend=llamacpp", "prompt_tokens=8192", "max_new_tokens=1024"))
+    with pytest.raises(ValueError, match=r"x 2 rows .*backend.n_ctx=8192 holds fewer: raise it \(backend.n_ctx=10252\)"):
+        check_job(_cfg(tmp_path, "backend=llamacpp", "prompt_tokens=4096", "max_new_tokens=1024", "batch_size=2"))
+    check_job(_cfg(tmp_path, "backend=llamacpp", "prompt_tokens=8192", "max_new_tokens=1024", "backend.n_ctx=9222"))
+    plain, long = JobSpec.from_cfg(_cfg(tmp_path)), JobSpec.from_cfg(_cfg(tmp_path, "prompt_tokens=512"))
+    assert "-in512-" in job_name(long.c) and "-in" not in job_name(plain.c)
+    assert plain.dir != long.dir
+
+
+def test_a_long_prompt_job_records_its_length_and_a_repeated_prompt_keeps_its_acceptance(tmp_path, tiny_llama):
+    """On the native engine: the prompts reach prompt_tokens in the model's tokens (each recorded),
+    and the same prompt measured again in the next repeat drafts and accepts exactly as before (no
+    drafter state carried across requests or repeats: llama.cpp PR 10455's pitfall)."""
+    from bench.runner import run_job
+
+    row = run_job(_cfg(tmp_path, "model=local", f"model.path={tiny_llama}", "method=ngram", "workload=code_edit",
+                       "prompt_tokens=600", "num_prompts=2", "max_new_tokens=24", "repeats=2", "warmup=false"))
+    assert row["status"] == "ok", row.get("error")
+    assert row["prompt_tokens"] == 600 and 594 <= row["prompt_tokens_median"] <= 600
+    req = pd.read_parquet(tmp_path / "long" / row["job"] / "requests.parquet")
+    assert req.n_prompt.between(594, 600).all()
+    cyc = pd.read_parquet(tmp_path / "long" / row["job"] / "cycles.parquet")
+    spec = cyc[cyc.run == "spec"].groupby(["request_id", "repeat"])[["drafted", "accepted"]].sum().unstack("repeat")
+    assert (spec["drafted"][0] == spec["drafted"][1]).all() and (spec["accepted"][0] == spec["accepted"][1]).all()
+    assert spec["drafted"].to_numpy().sum() > 0  # it drafted at all, so equal counts say something
+    assert set(row["acceptance_by_output_bucket"]) == {"0-255"} and row["speedup_by_output_bucket"]["0-255"] > 0
+
+
+@pytest.mark.parametrize("protocol", ["llama_completion", "openai_stream", "sglang_stream", "sglang_generate"])
+def test_ignore_eos_reaches_every_servers_request_and_only_when_asked(protocol):
+    from backends.serving import Request, request_body
+    from bench.backend import Sampling
+
+    def body(**kw):
+        b = request_body(protocol, Request("http://x", [1, 2], Sampling(**kw), 8, 0.0, 1.0, model="m"))
+        return b.get("sampling_params", b)
+
+    assert body(ignore_eos=True)["ignore_eos"] is True
+    assert "ignore_eos" not in body()  # every other run's request is the body it always was
+
+
+def test_ignore_eos_makes_the_native_engine_generate_past_its_end_token(tiny_llama):
+    """The engine's end-of-sequence token set to the first token it generates: without ignore_eos
+    each request stops there; with it, each runs to max_new_tokens (both arms alike)."""
+    from backends.native.backend import NativeBackend
+    from bench.backend import Sampling
+
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=3)
+    prompt = [b.tokenize("def add(a, b):\n    return a + b\n")]
+    first = b.generate(prompt, Sampling(), 12, speculative=False).requests[0].output_token_ids[0]
+    b.eos = (first,)
+    for spec in (False, True):
+        stopped = b.generate(prompt, Sampling(), 12, speculative=spec).requests[0]
+        assert len(stopped.output_token_ids) == 1 and stopped.finished_by == "eos"
+        went_on = b.generate(prompt, Sampling(ignore_eos=True), 12, speculative=spec).requests[0]
+        assert len(went_on.output_token_ids) == 12 and went_on.finished_by == "length"
+
+
+@pytest.mark.slow
+def test_llama_cpp_in_process_prefills_a_prompt_longer_than_its_micro_batch():
+    """A 1500-token prompt (three of llama.cpp's 512-token micro-batches) on the real default
+    model: both arms generate from it, past the end-of-sequence token, and agree token for token.
+    (Until 2026-12-06 one llama_decode took at most 512 tokens and a longer prompt crashed.)"""
+    from backends.llamacpp import LlamaCppBackend
+    from bench.backend import Sampling
+
+    b = LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, num_speculative_tokens=3, n_ctx=2048)
+    try:
+        p, ids = fit_prompt(load_prompts("code_edit", 1, 0, prompt_tokens=1500)[0], 1500, b.tokenize)
+        assert 1485 <= len(ids) <= 1500
+        base = b.generate([ids], Sampling(ignore_eos=True), 24, speculative=False).requests[0]
+        spec = b.generate([ids], Sampling(ignore_eos=True), 24, speculative=True).requests[0]
+    finally:
+        b.close()
+    assert len(base.output_token_ids) == 24 and spec.output_token_ids == base.output_token_ids
