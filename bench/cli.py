@@ -80,7 +80,7 @@ SHORT = {"backend": "engine", "batch_size": "batch", "temperature": "T", "speedu
          "acceptance_rate": "alpha", "mean_acceptance_length": "tau",
          "verify_fraction": "verify", "draft_fraction": "draft", "baseline_roofline_share": "roofline",
          "load_label": "load", "tpot_speedup": "TPOT x", "goodput_rps": "goodput", "baseline_goodput_rps": "goodput off",
-         "aa_verdict": "A/A"}
+         "aa_verdict": "A/A", "prompt_tokens": "in"}
 LEGEND = ("alpha: acceptance rate; tau: mean acceptance length; verify, draft: share of decode time; roofline: "
           "baseline step against its weight-read time (below 50% flagged); TPOT x: TPOT speedup under load; "
           "every column: docs/columns.md")
@@ -109,6 +109,8 @@ def print_table(df, title: str = "specsweep", width: int | None = None) -> None:
         # load points: the level says what ran (batch_size is the rows the engine was given)
         cols = cols[:3] + ["load_label"] + cols[3:] + [c for c in ("tpot_speedup", "goodput_rps", "baseline_goodput_rps")
                                                          if c in df.columns]
+    if "prompt_tokens" in df.columns and df.prompt_tokens.notna().any():  # input length: an axis of this sweep
+        cols = cols[:4] + ["prompt_tokens"] + cols[4:]
     aa = df.aa_control.fillna(False).astype(bool) if "aa_control" in df.columns else None
     if aa is not None and aa.any():  # A/A controls: whether each reads 1.0 within its intervals
         cols.append("aa_verdict")

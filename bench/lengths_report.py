@@ -33,7 +33,7 @@ def plot_acceptance_by_output_position(df: pd.DataFrame, out: Path) -> Path | No
     d = _with_buckets(df)
     if d.empty or not d.acceptance_by_output_bucket.map(len).gt(1).any():
         return None  # one bucket only (short outputs): nothing to see against position
-    order = bucket_labels()
+    order = [b for b in bucket_labels() if d.acceptance_by_output_bucket.map(lambda v: b in v).any()]  # reached
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for _, r in d.sort_values([c for c in ("method", "prompt_tokens") if c in d.columns]).iterrows():
         got = r.acceptance_by_output_bucket

@@ -46,7 +46,27 @@ DEFAULT_COLUMNS = ["backend", "model", "method", "workload", "batch_size", "load
                    "tpot_speedup_ci_high", "goodput_ratio", "lossless", "baseline_tokens_per_s", "tokens_per_s",
                    "speedup_baseline_first", "speedup_method_first", "pairs_baseline_first", "pairs_method_first",
                    "goodput_ratio_ci_low", "goodput_ratio_ci_high", "aa_control", "aa_verdict",
-                   "threads", "loadavg_start", "loadavg_end"]
+                   "threads", "loadavg_start", "loadavg_end", "prompt_tokens", "prompt_tokens_median", "max_new_tokens"]
+
+
+def flat_buckets(df) -> list[str]:
+    """The per-output-bucket dicts as plain columns a page's table can read, added to df:
+    acceptance_<bucket> and speedup_<bucket> (e.g. acceptance_256-1023), for each bucket a row
+    reached. Returns their names."""
+    import pandas as pd
+
+    from bench.metrics.position import bucket_labels
+
+    added = []
+    for col, prefix in (("acceptance_by_output_bucket", "acceptance_"), ("speedup_by_output_bucket", "speedup_")):
+        if col not in df.columns:
+            continue
+        got = df[col].map(lambda v: v if isinstance(v, dict) else {})
+        for b in [b for b in bucket_labels() if any(b in d for d in got)]:
+            vals = [d.get(b) for d in got]
+            df[prefix + b] = pd.to_numeric([v.get("acceptance_rate") if isinstance(v, dict) else v for v in vals])
+            added.append(prefix + b)
+    return added
 
 MARKER = re.compile(r"<!-- (table|figure|machine|folders) ([^>]*?) -->(.*?)<!-- /\1 -->", re.S)
 
@@ -64,8 +84,9 @@ def record(sweep_dir: Path, out: Path, title: str, commands: list[str], note: st
     df = load_summaries(Path(sweep_dir))
     if not len(df):
         raise SystemExit(f"{sweep_dir}: no complete job to record")
-    cols = [c for c in (columns or DEFAULT_COLUMNS) if c in df.columns]
-    order = [c for c in ("backend", "method", "workload", "load_kind", "load_level", "batch_size") if c in df.columns]
+    cols = [c for c in (columns or DEFAULT_COLUMNS) if c in df.columns] + flat_buckets(df)
+    order = [c for c in ("backend", "method", "workload", "load_kind", "load_level", "batch_size", "prompt_tokens")
+             if c in df.columns]
     out.mkdir(parents=True, exist_ok=True)
     df.sort_values(order)[cols].to_csv(out / "index.csv", index=False)
     env = snapshot()

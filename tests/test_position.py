@@ -75,3 +75,13 @@ def test_the_report_shows_acceptance_by_position_and_speedup_by_input_length(tmp
     assert "| llamacpp | ngram | code_edit | 511 | 1.80 | 0.61 | 0.43 | 1.81 | 1.81 |" in table
     short = pd.DataFrame([{**row("ngram", None, 1.2, {"0-255": 0.5}), "prompt_tokens": None}])
     assert lengths_markdown(short) == [] and all(p(short, tmp_path) is None for p in PLOTS)
+
+
+def test_a_recorded_measurement_keeps_each_bucket_as_a_column_a_page_can_quote():
+    from bench.published import flat_buckets
+
+    df = pd.DataFrame({"acceptance_by_output_bucket": [{"0-255": {"acceptance_rate": 0.5}},
+                                                       {"0-255": {"acceptance_rate": 0.4}, "256-1023": {"acceptance_rate": 0.3}}],
+                       "speedup_by_output_bucket": [{"0-255": 1.2}, {}]})
+    assert flat_buckets(df) == ["acceptance_0-255", "acceptance_256-1023", "speedup_0-255"]
+    assert list(df["acceptance_256-1023"].fillna(-1)) == [-1, 0.3] and df["speedup_0-255"][0] == 1.2
