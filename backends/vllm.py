@@ -211,7 +211,8 @@ class VLLMBackend(Backend):
         w.new_steps()  # steps before this batch (warm-up, tokenizer calls) are not its own
         got = w.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                       "sampling": {"max_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                                   "top_k": sampling.top_k, "seed": sampling.seed, "ignore_eos": sampling.ignore_eos}}, self.cfg.request_timeout_s)
+                                   "top_k": sampling.top_k, "seed": sampling.seed, "ignore_eos": sampling.ignore_eos}},
+                     self.cfg.request_timeout_s)
         reqs = []
         for r in got["requests"]:
             ttft, e2e = r["ttft_s"], r["e2e_s"]  # None where vLLM kept no request stats: never filled in

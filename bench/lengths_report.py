@@ -24,7 +24,10 @@ def _with_buckets(df: pd.DataFrame) -> pd.DataFrame:
 
 def _label(r) -> str:
     n = r.get("prompt_tokens")
-    size = f"in {int(n)}" if isinstance(n, (int, float)) and n == n else f"in ~{r.get('prompt_tokens_median', math.nan):.0f}"
+    if isinstance(n, (int, float)) and n == n:
+        size = f"in {int(n)}"
+    else:
+        size = f"in ~{r.get('prompt_tokens_median', math.nan):.0f}"
     return f"{r.backend}/{r.method}/{r.workload}/{size}"
 
 
@@ -71,7 +74,8 @@ def lengths_markdown(df: pd.DataFrame) -> list[str]:
     """A table per job with buckets beyond the first, or at a set input length: its speedup and,
     per output bucket, acceptance and the decode's speedup."""
     d = _with_buckets(df)
-    if d.empty or not (d.acceptance_by_output_bucket.map(len).gt(1).any() or d.get("prompt_tokens", pd.Series()).notna().any()):
+    set_length = d.get("prompt_tokens", pd.Series(dtype=float)).notna().any()
+    if d.empty or not (d.acceptance_by_output_bucket.map(len).gt(1).any() or set_length):
         return []
     order = bucket_labels()
     used = [b for b in order if d.acceptance_by_output_bucket.map(lambda v: b in v).any()]

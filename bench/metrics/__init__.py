@@ -156,7 +156,8 @@ def bootstrap_interval(boots, n: int, level: float = 0.95) -> tuple[float, float
     the spread of a z-interval with divisor n, not a t-interval with n - 1): at 6 units its 95%
     interval covers about 86% of normal samples. The tails are taken at
     Phi(-sqrt(n / (n - 1)) t[n-1, (1+level)/2]) instead of (1 - level) / 2, which widens it by that
-    factor and approaches the plain one as n grows (n=6: the 0.24% and 99.76% percentiles; n=12: 1.1% and 98.9%; n=30: 1.9% and 98.1%)."""
+    factor and approaches the plain one as n grows (n=6: the 0.24% and 99.76% percentiles; n=12:
+    1.1% and 98.9%; n=30: 1.9% and 98.1%)."""
     from scipy.stats import norm, t  # here, not at the top: scipy.stats takes a second to import
 
     b = np.asarray(boots, float)
