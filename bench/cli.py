@@ -131,8 +131,8 @@ def print_table(df, title: str = "specsweep", width: int | None = None) -> None:
                                                                     "lossless", "load_label", "aa_verdict") else "left",
                      no_wrap=True)
     verdicts = []
-    for _, r in df.sort_values([c for c in ("workload", "method", "load_kind", "load_level", "batch_size")
-                                if c in df.columns]).iterrows():
+    for _, r in df.sort_values([c for c in ("workload", "method", "load_kind", "load_level", "batch_size",
+                                            "prompt_tokens") if c in df.columns]).iterrows():
         cells = []
         for c in cols:
             v = r[c]

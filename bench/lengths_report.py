@@ -1,6 +1,7 @@
-"""The report's view of length (docs/guides/long-context.md): acceptance against output position
-and speedup against input length, per method, from the rows' acceptance_by_output_bucket,
-speedup_by_output_bucket and prompt_tokens. Nothing here is drawn for a sweep without them."""
+"""The report's view of length (docs/guides/long-context.md): acceptance against output position,
+speedup against input length and a step's cost against context, per method, from the rows'
+acceptance_by_output_bucket, speedup_by_output_bucket, prompt_tokens and cost_by_context.
+Nothing here is drawn for a sweep without them."""
 from __future__ import annotations
 
 import math
@@ -9,9 +10,10 @@ from pathlib import Path
 from .plotting import save  # first: it sets matplotlib's Agg backend (files only, no display)
 
 import matplotlib.pyplot as plt  # noqa: E402, I001
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .metrics.position import bucket_labels  # noqa: E402
+from .metrics.position import CONTEXT_BAND_EDGES, bucket_labels  # noqa: E402
 
 
 def _with_buckets(df: pd.DataFrame) -> pd.DataFrame:
@@ -70,6 +72,37 @@ def plot_speedup_vs_prompt_length(df: pd.DataFrame, out: Path) -> Path | None:
     return save(fig, out, "speedup_vs_prompt_length")
 
 
+def plot_cost_vs_context(df: pd.DataFrame, out: Path) -> Path | None:
+    """The baseline's decode step and the method's verify cost ratio per context band (the rows'
+    cost_by_context), one line per engine and method: how a step's cost grows with the context."""
+    if "cost_by_context" not in df.columns or "status" not in df.columns:
+        return None
+    d = df[(df.status == "ok") & df.cost_by_context.map(lambda v: isinstance(v, dict) and len(v) > 0)]
+    bands = [b for b in bucket_labels(CONTEXT_BAND_EDGES) if d.cost_by_context.map(lambda v: b in v).any()]
+    if len(bands) < 2:
+        return None  # one band: nothing grows
+    fig, (step, ratio) = plt.subplots(1, 2, figsize=(10, 4))
+    for (backend, method), g in d.groupby(["backend", "method"]):
+        merged: dict = {}
+        for v in g.cost_by_context:  # each band's median over the rows that reached it
+            for b, x in v.items():
+                merged.setdefault(b, []).append(x)
+        xs = [i for i, b in enumerate(bands) if b in merged]
+        step.plot(xs, [np.median([x["baseline_step_ms"] for x in merged[bands[i]]]) for i in xs], marker="o",
+                  label=f"{backend}/{method}")
+        rs = [(i, [x["verify_cost_ratio"] for x in merged[bands[i]] if "verify_cost_ratio" in x]) for i in xs]
+        rs = [(i, np.median(v)) for i, v in rs if v]
+        if rs:
+            ratio.plot([i for i, _ in rs], [v for _, v in rs], marker="o", label=f"{backend}/{method}")
+    for ax, ylabel in ((step, "baseline decode step, ms (median)"), (ratio, "verify cost ratio (full-k verify / step)")):
+        ax.set_xticks(range(len(bands)), bands)
+        ax.set(xlabel="context (KV tokens)", ylabel=ylabel)
+        ax.set_ylim(bottom=0)  # from zero: a change of a few percent looks like one
+        ax.legend(fontsize=6)
+    fig.suptitle("Cost vs context length")
+    return save(fig, out, "cost_vs_context")
+
+
 def lengths_markdown(df: pd.DataFrame) -> list[str]:
     """A table per job with buckets beyond the first, or at a set input length: its speedup and,
     per output bucket, acceptance and the decode's speedup."""
@@ -94,4 +127,4 @@ def lengths_markdown(df: pd.DataFrame) -> list[str]:
     return lines + [""]
 
 
-PLOTS = (plot_acceptance_by_output_position, plot_speedup_vs_prompt_length)
+PLOTS = (plot_acceptance_by_output_position, plot_speedup_vs_prompt_length, plot_cost_vs_context)

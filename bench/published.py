@@ -50,21 +50,26 @@ DEFAULT_COLUMNS = ["backend", "model", "method", "workload", "batch_size", "load
 
 
 def flat_buckets(df) -> list[str]:
-    """The per-output-bucket dicts as plain columns a page's table can read, added to df:
-    acceptance_<bucket> and speedup_<bucket> (e.g. acceptance_256-1023), for each bucket a row
-    reached. Returns their names."""
+    """The per-bucket dicts as plain columns a page's table can read, added to df, for each bucket
+    a row reached: acceptance_<bucket> and speedup_<bucket> by output position (e.g.
+    acceptance_256-1023), step_ms_<band> and verify_cost_<band> by context (e.g. step_ms_4096-16383).
+    Returns their names."""
     import pandas as pd
 
-    from bench.metrics.position import bucket_labels
+    from bench.metrics.position import CONTEXT_BAND_EDGES, bucket_labels
 
     added = []
-    for col, prefix in (("acceptance_by_output_bucket", "acceptance_"), ("speedup_by_output_bucket", "speedup_")):
+    for col, prefix, key, labels in (
+            ("acceptance_by_output_bucket", "acceptance_", "acceptance_rate", bucket_labels()),
+            ("speedup_by_output_bucket", "speedup_", None, bucket_labels()),
+            ("cost_by_context", "step_ms_", "baseline_step_ms", bucket_labels(CONTEXT_BAND_EDGES)),
+            ("cost_by_context", "verify_cost_", "verify_cost_ratio", bucket_labels(CONTEXT_BAND_EDGES))):
         if col not in df.columns:
             continue
         got = df[col].map(lambda v: v if isinstance(v, dict) else {})
-        for b in [b for b in bucket_labels() if any(b in d for d in got)]:
+        for b in [b for b in labels if any(b in d for d in got)]:
             vals = [d.get(b) for d in got]
-            df[prefix + b] = pd.to_numeric([v.get("acceptance_rate") if isinstance(v, dict) else v for v in vals])
+            df[prefix + b] = pd.to_numeric([v.get(key) if isinstance(v, dict) else v for v in vals])
             added.append(prefix + b)
     return added
 

@@ -306,18 +306,15 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     lines += load_markdown(df)
     lines += lengths_report.lengths_markdown(df)
     lines += flags_markdown(df)
-    from .recommend import markdown as rec_markdown, recommend
-
-    lines += [rec_markdown(recommend(df))]
     errs = df[df.status != "ok"]
     if len(errs):
         lines += ["## Jobs that did not complete", ""] + [f"- `{r.job}`: {r.status}: {r.error}" for _, r in errs.iterrows()] + [""]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in made] + [""]
-    from .tuned import markdown as tuned_markdown, tuned_configs
+    from .decision import decide, markdown as decision_markdown
 
-    tuned, notes = tuned_configs(df, sweep_dir)  # the decision report ends with the engines' own configs
-    tuned.to_csv(out / "tuned_configs.csv", index=False)
-    lines += [tuned_markdown(tuned, notes)]
+    choices, notes = decide(df, sweep_dir)  # the report ends with what to run, in each engine's own syntax
+    choices.to_csv(out / "tuned_configs.csv", index=False)
+    lines += [decision_markdown(choices, notes)]
     text = "\n".join(lines)
     (out / "summary.md").write_text(text)
     (out / "index.json").write_text(json.dumps([p.name for p in made]))

@@ -1,35 +1,34 @@
 """One job: a method and its baseline on the same engine and the same requests, measured in
 repeats, reduced to one summary row plus per-request and per-cycle tables.
 
-The stages: the job's settings checked once (JobSpec: what the sweep's pre-check and the run both
-start from), the measurement (bench/measure.py: both arms, by the paired or the shared baseline
+The stages: the job's settings checked once (bench/jobspec.py, JobSpec: what the sweep's
+pre-check and the run both start from), the measurement (bench/measure.py: both arms, by the paired or the shared baseline
 strategy, into a typed record), the metrics from that record (bench/metrics/job.py), the lossless
 check (bench/lossless.py), and the row written with the files it rests on (this module)."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from workloads import WorkloadError, WorkloadUnavailable, load_prompts
+from workloads import WorkloadError, WorkloadUnavailable
 
 from . import environment, load, metrics
-from .backend import Backend, BackendError, EngineTimeout, SettingError, checked_settings, instantiate_backend
-from .config import ConfigError, validate
-from .lossless import lossless_columns
+from .backend import Backend, BackendError, EngineTimeout, SettingError, instantiate_backend
+from .config import ConfigError
+from .jobspec import JobSpec
 from .jobtimer import JOB_TIMER, cancel_job_timeout, start_job_timeout
+from .lossless import lossless_columns
 from .measure import Measured, latency_note, measure, measurement_device
+from .methods import forces_acceptance
 from .metrics.job import roofline, summarize
-from .methods import forces_acceptance, split_method_keys
-from .results import (MANIFEST, JobKey, build_index, incomplete_reason, is_complete, job_name, read_json, write_json,
-                      write_manifest, write_parquet, write_text)
+from .results import (MANIFEST, JobKey, build_index, incomplete_reason, is_complete, read_json, write_json, write_manifest,
+                      write_parquet, write_text)
 from .summary import checked_row
 
 log = logging.getLogger("specsweep")
@@ -43,127 +42,6 @@ def _key_row(c: dict) -> dict:
             "aa_control": bool(c.get("aa_control")), "speculative": bool(c["method"].get("speculative", True)),
             "prompt_tokens": c.get("prompt_tokens"),
             "load_kind": ld["kind"], "load_level": ld.get("level"), "load_label": load.level_label(ld)}
-
-
-def check_backend_supports(c: dict) -> None:
-    cls = get_class(c["backend"]["_target_"])
-    supported = getattr(cls, "supported_methods", ())
-    if supported and c["method"]["name"] not in supported:
-        raise ConfigError(f"method {c['method']['name']!r} is not supported by backend {c['backend']['name']!r}; "
-                          f"it supports {', '.join(supported)}")
-    kind = (c.get("load") or {}).get("kind", "static")
-    if kind != "static" and kind not in getattr(cls, "load_kinds", ()):
-        raise ConfigError(f"load={kind} is not served by backend {c['backend']['name']!r} (it runs static batches "
-                          f"only{'; it serves ' + ', '.join(cls.load_kinds) if cls.load_kinds else ''}); use load=static or "
-                          "another backend")
-
-
-def check_results_dir(sweep: Path, job: str) -> None:
-    """The results can be written: no file where a folder must be, write permission where the
-    first missing folder would be made."""
-    for p in (sweep.parent, sweep, sweep / job):
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"results folder {p} is a file, not a folder; move it away or choose another "
-                              "results_dir / sweep_name")
-    existing = next(p for p in (sweep / job, sweep, *sweep.parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"results_dir: cannot write under {existing} (no write permission); choose a "
-                          "results_dir you can write to")
-
-
-def engine_method(c: dict) -> tuple[dict, list[str]]:
-    """The method config the engine is given, without the keys that are knobs of other methods
-    only (set for a multi-method sweep; bench/methods.py: split_method_keys), and those keys."""
-    ignored, _ = split_method_keys(c["method"])
-    return {k: v for k, v in c["method"].items() if k not in ignored}, ignored
-
-
-@dataclass
-class JobSpec:
-    """One job's settings, checked once: Hydra's config validated, the load normalized, the
-    backend's support for the method and load, the results folder writable. check_job (the
-    sweep's pre-check) and run_job both start from it."""
-    cfg: DictConfig
-    c: dict
-    root: Path  # the sweep's folder
-    method: dict  # the method config the engine is given (without other methods' knobs)
-    ignored: list[str]  # those knobs
-
-    @classmethod
-    def from_cfg(cls, cfg: DictConfig) -> "JobSpec":
-        validate(cfg)
-        c = load.normalize(OmegaConf.to_container(cfg, resolve=True))
-        check_backend_supports(c)
-        root = Path(c["results_dir"]).expanduser().resolve() / c["sweep_name"]
-        check_results_dir(root, job_name(c))
-        method, ignored = engine_method(c)
-        return cls(cfg, c, root, method, ignored)
-
-    @property
-    def dir(self) -> Path:
-        return self.root / job_name(self.c)
-
-    @property
-    def settings(self) -> dict:
-        """The backend's own settings (its config node without Hydra's keys)."""
-        return {k: v for k, v in self.c["backend"].items() if k not in ("_target_", "name")}
-
-    def prompts(self):
-        c = self.c
-        return load_prompts(c["workload"]["name"], c["num_prompts"], c["seed"], c.get("prompt_tokens"),
-                            **{k: v for k, v in c["workload"].items() if k != "name"})
-
-
-def check_job(cfg: DictConfig) -> list[str]:
-    """Everything about one job that can be checked without loading a model (bench/sweeper.py runs
-    this for every job of a multirun before the first runs): a ValueError (or FileNotFoundError)
-    saying what is wrong and what is valid. Returns the method keys the job ignores (knobs of
-    other methods)."""
-    job = JobSpec.from_cfg(cfg)
-    adapter = get_class(job.c["backend"]["_target_"])
-    adapter.check_config(job.settings, job.c["model"], job.method, job.c["num_speculative_tokens"])
-    check_rows(job.c, adapter, job.settings)
-    check_context(job.c, adapter, job.settings)
-    try:
-        job.prompts()
-    except WorkloadUnavailable:
-        pass  # recorded as skipped when it runs
-    return job.ignored
-
-
-def check_rows(c: dict, adapter, settings: dict) -> None:
-    """The rows a job runs at once (batch_size; under load the plan's, which load.normalize put in
-    batch_size) within the adapter's cap on them, where its config declares one (rows_setting)."""
-    key = getattr(getattr(adapter, "config_cls", None), "rows_setting", None)
-    if not key:
-        return
-    limit = getattr(checked_settings(settings, adapter.config_cls, c["backend"].get("name")), key)
-    rows = int(c["batch_size"])
-    if rows > limit:
-        load_cfg = c.get("load") or {}
-        what = (f"load.level={load_cfg.get('level')}" if load_cfg.get("kind") == "concurrency"
-                else f"load.max_rows={load_cfg.get('max_rows')}" if load_cfg.get("kind") == "rate"
-                else f"batch_size={rows}")
-        raise ValueError(f"{what} runs {rows} requests at once; backend.{key}={limit} holds fewer: raise it "
-                         f"(backend.{key}={rows}) or lower the rows")
-
-
-def check_context(c: dict, adapter, settings: dict) -> None:
-    """At a set input length (prompt_tokens), every request's tokens (its prompt, its output and a
-    draft past it) within the adapter's context setting, per row or shared by a batch's rows, where
-    its config declares one (context_setting)."""
-    cls = getattr(adapter, "config_cls", None)
-    key = getattr(cls, "context_setting", None)
-    if not key or not c.get("prompt_tokens"):
-        return
-    limit = getattr(checked_settings(settings, cls, c["backend"].get("name")), key)
-    per_row = c["prompt_tokens"] + c["max_new_tokens"] + c["num_speculative_tokens"] + 2
-    rows = int(c["batch_size"]) if cls.context_shared_by_rows else 1
-    if per_row * rows > limit:
-        shared = f" x {rows} rows (batch_size; the rows share it)" if rows > 1 else ""
-        raise ValueError(f"prompt_tokens={c['prompt_tokens']} + max_new_tokens={c['max_new_tokens']} + a draft of "
-                         f"{c['num_speculative_tokens']} need {per_row} tokens{shared}; backend.{key}={limit} holds "
-                         f"fewer: raise it (backend.{key}={per_row * rows}) or shorten the lengths")
 
 
 def run_job(cfg: DictConfig, progress_factory=None) -> dict:

@@ -145,6 +145,7 @@ class JobSummary(JobKey):
     drafted_share: float = col("share of cycles that had a draft at all", ACCEPT)
     draft_sources: dict = col("combined and adaptive methods: per drafter, its share of cycles and its acceptance")
     acceptance_by_output_bucket: dict = col("per output-position bucket (tokens 0-255, 256-1023, 1024-4095, 4096+): acceptance_rate, mean_acceptance_length, cycles and tokens of the cycles that started there; engines with a per-cycle trace", POSITION)
+    cost_by_context: dict = col("per context band (KV tokens 0-1023, 1024-4095, 4096-16383, 16384+): the baseline's median decode step in ms and the method's verify cost ratio there (full-k verifies over the baseline's step); engines with a per-cycle trace", POSITION)
     speedup_by_output_bucket: dict = col("per output-position bucket both arms reached: method tokens/s over baseline tokens/s of the decode cycles there (a batched cycle's time shared by its rows)", POSITION)
     # --- cost ratios -------------------------------------------------------------------------------
     verify_cost_ratio: float = col("r: median verify time of full-k cycles / median baseline step at that batch shape", COST)

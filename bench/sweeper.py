@@ -37,7 +37,7 @@ def check_sweep(config) -> int | None:
     from hydra.core.global_hydra import GlobalHydra
 
     from .methods import method_schemas
-    from .runner import check_job
+    from .jobspec import check_job
 
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         log.info("sweeper %s: its jobs are checked one by one as they start", config.hydra.sweeper.get("_target_"))

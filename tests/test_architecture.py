@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS_NEVER_FROM_ADAPTERS = ("bench.runner", "bench.metrics", "bench.report", "bench.recommend", "bench.tuned",
+HARNESS_NEVER_FROM_ADAPTERS = ("bench.runner", "bench.metrics", "bench.report", "bench.decision",
                                "bench.gate", "bench.cli", "bench.sweeper", "bench.summary", "bench.load", "bench.measure",
                                "bench.lossless", "bench.jobtimer")
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from bench.cli import CONF_DIR
 from bench.config import ConfigError, validate
-from bench.runner import check_backend_supports
+from bench.jobspec import check_backend_supports
 
 
 def _cfg(*overrides):
@@ -215,7 +215,7 @@ def test_more_rows_at_once_than_the_engine_holds_is_refused_before_any_job(tmp_p
     job after its engine started."""
     import re
 
-    from bench.runner import check_job
+    from bench.jobspec import check_job
 
     cfg = _cfg(*overrides, f"results_dir={tmp_path}")
     with pytest.raises(ValueError) as e:

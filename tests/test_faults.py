@@ -144,7 +144,7 @@ def test_result_files_get_the_users_umask(tmp_path):
 
 def test_a_job_folder_taken_by_a_file_is_refused_with_its_path(tmp_path):
     from bench.config import ConfigError
-    from bench.runner import check_results_dir
+    from bench.jobspec import check_results_dir
 
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "job-1").write_text("someone's notes")
@@ -159,7 +159,7 @@ def test_a_results_dir_the_user_cannot_write_is_refused():
     import tempfile
 
     from bench.config import ConfigError
-    from bench.runner import check_results_dir
+    from bench.jobspec import check_results_dir
 
     top = Path(tempfile.mkdtemp(dir="/tmp"))
     if os.geteuid() != 0:  # already unprivileged: the check itself, in this process

@@ -38,7 +38,7 @@ def test_a_prompt_is_cut_to_the_longest_context_within_the_target(workload):
 def test_prompt_tokens_is_checked_and_names_its_jobs(tmp_path):
     from bench.config import ConfigError
     from bench.results import job_name
-    from bench.runner import JobSpec, check_job
+    from bench.jobspec import JobSpec, check_job
 
     with pytest.raises(ConfigError, match="prompt_tokens=0: use a positive count"):
         check_job(_cfg(tmp_path, "prompt_tokens=0"))

@@ -65,15 +65,19 @@ def test_the_report_shows_acceptance_by_position_and_speedup_by_input_length(tmp
                 "speedup_ci_high": speedup + 0.1,
                 "acceptance_by_output_bucket": {b: {"acceptance_rate": a, "mean_acceptance_length": 1 + a, "cycles": 9,
                                                     "tokens": 20} for b, a in acc.items()},
-                "speedup_by_output_bucket": {b: speedup + 0.01 for b in acc}}
+                "speedup_by_output_bucket": {b: speedup + 0.01 for b in acc},
+                "cost_by_context": {"0-1023": {"baseline_step_ms": 17.0, "verify_cost_ratio": 3.4},
+                                    "1024-4095": {"baseline_step_ms": 18.0, "verify_cost_ratio": 3.3}}}
 
     df = pd.DataFrame([row("ngram", 512, 1.8, {"0-255": 0.61, "256-1023": 0.43}),
                        row("ngram", 2048, 1.5, {"0-255": 0.55, "256-1023": 0.37})])
-    assert [p(df, tmp_path).name for p in PLOTS] == ["acceptance_by_output_position.png", "speedup_vs_prompt_length.png"]
+    assert [p(df, tmp_path).name for p in PLOTS] == ["acceptance_by_output_position.png", "speedup_vs_prompt_length.png",
+                                                     "cost_vs_context.png"]
     table = "\n".join(lengths_markdown(df))
     assert "| accept 0-255 | accept 256-1023 |" in table and "1024-4095" not in table
     assert "| llamacpp | ngram | code_edit | 511 | 1.80 | 0.61 | 0.43 | 1.81 | 1.81 |" in table
-    short = pd.DataFrame([{**row("ngram", None, 1.2, {"0-255": 0.5}), "prompt_tokens": None}])
+    short = pd.DataFrame([{**row("ngram", None, 1.2, {"0-255": 0.5}), "prompt_tokens": None,
+                           "cost_by_context": {"0-1023": {"baseline_step_ms": 17.0}}}])
     assert lengths_markdown(short) == [] and all(p(short, tmp_path) is None for p in PLOTS)
 
 
@@ -85,3 +89,21 @@ def test_a_recorded_measurement_keeps_each_bucket_as_a_column_a_page_can_quote()
                        "speedup_by_output_bucket": [{"0-255": 1.2}, {}]})
     assert flat_buckets(df) == ["acceptance_0-255", "acceptance_256-1023", "speedup_0-255"]
     assert list(df["acceptance_256-1023"].fillna(-1)) == [-1, 0.3] and df["speedup_0-255"][0] == 1.2
+
+
+def test_cost_by_context_bands_each_batched_cycle_by_its_rows_context():
+    from bench.metrics.position import cost_by_context
+
+    def cyc(run, rows):  # (cycle, kv_len, drafted, t_verify): one row per cycle, no draft or other time
+        return pd.DataFrame([{"run": run, "repeat": 0, "batch": 0, "cycle": c, "row": 0, "request_id": "a",
+                              "drafted": d, "accepted": 0, "emitted": 1, "kv_len": kv, "batch_rows": 1,
+                              "t_draft": 0.0, "t_verify": t, "t_other": 0.0} for c, kv, d, t in rows])
+
+    base = cyc("baseline", [(0, 500, 0, 0.010), (1, 900, 0, 0.012), (2, 2000, 0, 0.020), (3, 3000, 0, 0.022)])
+    spec = cyc("spec", [(0, 600, 2, 0.030), (1, 2500, 2, 0.063), (2, 2600, 1, 0.050)])  # the k=1 verify: not full
+    got = cost_by_context(spec, base, 2, edges=(1024,))
+    assert got["0-1023"]["baseline_step_ms"] == pytest.approx(11.0) and got["0-1023"]["cycles"] == 2
+    assert got["0-1023"]["verify_cost_ratio"] == pytest.approx(0.030 / 0.011)
+    assert got["1024+"]["baseline_step_ms"] == pytest.approx(21.0)
+    assert got["1024+"]["verify_cost_ratio"] == pytest.approx(0.063 / 0.021)
+    assert cost_by_context(spec, base.iloc[:0], 2) == {}

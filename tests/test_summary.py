@@ -116,3 +116,18 @@ def test_the_cli_table_of_load_points_fits_120_columns(capsys, monkeypatch):
     assert len(table) == 6 and all("EXCLUDES" in line for line in table) and "…" not in "".join(table)
     assert not any("verify" in line and "draft" in line and "alpha" in line for line in lines[:4])  # empty: left out
     assert any("excludes 1.0: speedup 1.026" in line for line in lines)  # the verdicts in full, below
+
+
+def test_the_cli_table_shows_the_input_length_when_a_sweep_sets_it(capsys, monkeypatch):
+    from bench.cli import print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    df = _default_sweep_rows(1)
+    df["prompt_tokens"] = [8192, 512] * (len(df) // 2)
+    print_table(df, title="specsweep: results/long")
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    head = next(line for line in lines if "speedup [95%]" in line)
+    assert " in " in f" {head} "
+    print_table(_default_sweep_rows(1), title="no lengths")
+    assert " in " not in next(line for line in capsys.readouterr().out.splitlines() if "speedup [95%]" in line)

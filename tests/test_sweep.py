@@ -159,7 +159,7 @@ def test_report_command(tmp_path, tiny_llama):
     assert r.returncode == 0, r.stderr
     out = tmp_path / "rep" / "report"
     assert (out / "acceptance_vs_temperature.png").exists() and (out / "summary.md").exists()
-    tuned = (out / "summary.md").read_text().split("## Tuned engine configs")  # the decision report ends with them
+    tuned = (out / "summary.md").read_text().split("## What to run")  # the report ends with the decision
     assert len(tuned) == 2 and "### native" in tuned[1] and "## " not in tuned[1].replace("### ", "")
     assert "`backend=native method=" in tuned[1] and (out / "tuned_configs.csv").exists()
     idx = pd.read_parquet(tmp_path / "rep" / "index.parquet")

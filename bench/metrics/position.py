@@ -79,7 +79,47 @@ def speedup_by_output_bucket(spec_cycles: pd.DataFrame, base_cycles: pd.DataFram
 
 
 def by_output_bucket(spec_cycles: pd.DataFrame, base_cycles: pd.DataFrame, k: int) -> dict:
-    """The row's two columns: acceptance_by_output_bucket and speedup_by_output_bucket."""
+    """The row's columns by position: acceptance_by_output_bucket, speedup_by_output_bucket and
+    cost_by_context (below)."""
     return {"acceptance_by_output_bucket": acceptance_by_output_bucket(spec_cycles, k),
-            "speedup_by_output_bucket": speedup_by_output_bucket(spec_cycles, base_cycles)}
+            "speedup_by_output_bucket": speedup_by_output_bucket(spec_cycles, base_cycles),
+            "cost_by_context": cost_by_context(spec_cycles, base_cycles, k)}
 
+
+
+# Context bands in KV tokens (prompt + output so far): [0, 1024), [1024, 4096), [4096, 16384),
+# [16384, ...): attention and KV reads grow with the context a step attends to.
+CONTEXT_BAND_EDGES = (1024, 4096, 16384)
+
+
+def cost_by_context(spec_cycles: pd.DataFrame, base_cycles: pd.DataFrame, k: int,
+                    edges=CONTEXT_BAND_EDGES) -> dict[str, dict]:
+    """Per context band (a cycle's kv_len, its row's context when it ran) that the baseline
+    reached: its median decode step in ms (the baseline's t_draft + t_verify + t_other, a batched
+    cycle once), and where the method verified full drafts of k there, the verify cost ratio (their
+    median t_verify over the baseline's median t_verify in the band: bench.metrics
+    verify_cost_ratio's definition, per band). Empty without a trace."""
+    from . import batched_cycles, verify_cost_ratio
+
+    if not len(base_cycles) or "kv_len" not in base_cycles.columns:
+        return {}
+    labels = bucket_labels(edges)
+
+    def banded(cyc):
+        g = batched_cycles(cyc)
+        per_row = (g.kv_tokens / g.rows.clip(lower=1)).to_numpy()  # the rows' mean context
+        return g.assign(band=[labels[int(np.searchsorted(edges, v, side="right"))] for v in per_row])
+
+    base = banded(base_cycles)
+    spec = banded(spec_cycles) if len(spec_cycles) else None
+    out = {}
+    for label in labels:
+        b = base[base.band == label]
+        if not len(b):
+            continue
+        row = {"baseline_step_ms": float(np.median(b.t_draft + b.t_verify + b.t_other)) * 1e3, "cycles": int(len(b))}
+        full = spec[(spec.band == label) & (spec.kmax == k)] if spec is not None else None
+        if full is not None and len(full):
+            row["verify_cost_ratio"] = verify_cost_ratio(full.t_verify, b.t_verify)
+        out[label] = row
+    return out

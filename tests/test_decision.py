@@ -1,10 +1,11 @@
-"""Tuned engine configs (bench/tuned.py, the end of the decision report): each adapter's
+"""The decision report (bench/decision.py): what to run per engine. Each adapter's
 engine_config is the mapping it runs the method with; the syntax is accepted by the engine's own
 argument parser where the engine is installed here (vLLM's parser and SpeculativeConfig,
 llama-server started with the flags); SGLang is not installed here, so its arguments are checked
 against the ServerArgs field names tests/test_sglang.py records from SGLang's source. Choices on
 a hand-made sweep folder: measured rows decide, the simulator fills a batch size without rows."""
 import json
+import math
 import shlex
 import subprocess
 
@@ -20,7 +21,7 @@ from backends.sglang import SGLangBackend, SGLangServerBackend, speculative_args
 from backends.vllm import VLLMBackend, speculative_config
 from backends.vllm_server import VLLMServerBackend
 from bench.methods import method_defaults
-from bench.tuned import markdown, tuned_configs
+from bench.decision import decide, markdown
 
 NGRAM = {**method_defaults("ngram"), "name": "ngram"}
 
@@ -201,7 +202,7 @@ def test_tuned_configs_from_measured_rows_and_the_simulator(tmp_path):
                          "draft_model": {"kind": "linear", "c_kv": 0.0, "c_tokens": 0.004, "c_fixed": 0.002}}}
     (sweep / "cost_model.yaml").write_text(yaml.safe_dump(cost))
     df = load_summaries(sweep)
-    tuned, notes = tuned_configs(df, sweep)
+    tuned, notes = decide(df, sweep)
     row = {(r.backend, r.level): r for _, r in tuned.iterrows()}
     r = row[("native", "batch 1")]
     assert (r.use, r.basis, r.config) == ("ngram k=4", "measured", "backend=native method=ngram num_speculative_tokens=4")
@@ -230,7 +231,7 @@ def test_tuned_configs_from_measured_rows_and_the_simulator(tmp_path):
     assert not any(tuned.basis == "simulated")  # every static batch size of the engine was measured
     # a batch size with no measured row at all takes the simulator's choice, marked so
     _job(sweep, "g", "native", "draft_model", "chat", 2, 4, 0.9, 0.8, 1.0)
-    tuned, _ = tuned_configs(load_summaries(sweep), sweep)
+    tuned, _ = decide(load_summaries(sweep), sweep)
     r = tuned[(tuned.backend == "native") & (tuned.workload == "code_edit") & (tuned.level == "batch 2")].iloc[0]
     sim2 = {mk: simulate_set(traces, FixedK((mk[0],), mk[1]), model, [2], "faithful", len(traces))["speedup"][0]
             for mk in sims}
@@ -247,7 +248,71 @@ def test_without_a_cost_model_the_simulator_says_what_to_run(tmp_path):
     sweep = tmp_path / "s"
     a = _job(sweep, "a", "native", "ngram", "code_edit", 1, 4, 2.0, 1.8, 2.2)
     _toy_traces(a / "traces.jsonl")
-    tuned, notes = tuned_configs(load_summaries(sweep), sweep)
+    tuned, notes = decide(load_summaries(sweep), sweep)
     assert len(tuned) == 1 and notes == [f"traces found, but no cost model: run `specsweep-fit-cost {sweep}` to let "
                                          "the simulator fill in what was not measured"]
     assert pd.isna(tuned.note.iloc[0]) or tuned.note.iloc[0] == ""
+
+
+def test_each_input_length_gets_its_own_choice(tmp_path):
+    """A sweep over prompt_tokens: one tuned row per length (its level names it), each resting on
+    that length's measured rows only."""
+    from bench.results import load_summaries
+
+    _job(tmp_path, "short", "native", "ngram", "code_edit", 1, 4, 1.4, 1.2, 1.6, prompt_tokens=512)
+    _job(tmp_path, "long", "native", "ngram", "code_edit", 1, 4, 0.9, 0.8, 1.05, prompt_tokens=8192)
+    tuned, _ = decide(load_summaries(tmp_path), tmp_path)
+    got = {r.level: (r.use, r.rests_on.split("`")[1]) for r in tuned.itertuples()}
+    assert got == {"batch 1, in 512": ("ngram k=4", "short"), "batch 1, in 8192": ("off", "long")}
+
+
+# --- the rules of thumb and the evidence beside a choice (formerly the separate recommendation) ---
+
+def _rec_row(method, speedup, lo, hi, alpha=0.5, k=4, draft=0.05, batch=1, workload="code_edit"):
+    return {"method": method, "workload": workload, "batch_size": batch, "temperature": 0.0, "status": "ok",
+            "speedup": speedup, "speedup_ci_low": lo, "speedup_ci_high": hi, "acceptance_rate": alpha,
+            "num_speculative_tokens": k, "draft_fraction": draft, "verify_fraction": 0.9, "draft_cost_ratio": 0.01}
+
+
+def test_picks_the_fastest_method_whose_interval_clears_one(tmp_path):
+    rec, _ = decide(pd.DataFrame([_rec_row("ngram", 1.8, 1.6, 2.0), _rec_row("draft_model", 1.2, 1.1, 1.3)]), tmp_path)
+    r = rec.iloc[0]
+    assert r.method == "ngram" and "1.80x [1.60, 2.00]" in r.rests_on and "alpha 0.50" in r.rests_on
+
+
+def test_off_when_the_interval_includes_one_or_everything_is_slower(tmp_path):
+    rec, _ = decide(pd.DataFrame([_rec_row("ngram", 1.05, 0.95, 1.15, batch=1),
+                                  _rec_row("ngram", 0.7, 0.65, 0.75, batch=4)]), tmp_path)
+    assert list(rec.use) == ["off", "off"]
+    assert "interval includes 1" in rec.iloc[0].rests_on and "every method measured slower" in rec.iloc[1].rests_on
+
+
+def test_contradicted_rule_of_thumb_is_noted(tmp_path):
+    # alpha x k = 0.8 < 1 predicts a slowdown, yet it measured a clear speedup
+    rec, notes = decide(pd.DataFrame([_rec_row("ngram", 1.3, 1.2, 1.4, alpha=0.2)]), tmp_path)
+    assert "alpha x k = 0.80 < 1' predicts a slowdown, but it measured 1.30x" in rec.iloc[0].note
+    assert "predicts a slowdown, but it measured 1.30x" in markdown(rec, notes)
+
+
+def test_rules_of_thumb_only_where_speedup_is_missing(tmp_path):
+    nan = math.nan
+    rec, _ = decide(pd.DataFrame([_rec_row("ngram", nan, nan, nan, alpha=0.6, draft=0.01),
+                                  _rec_row("draft_model", nan, nan, nan, alpha=0.9, draft=0.5)]), tmp_path)
+    r = rec.iloc[0]
+    assert r.method == "ngram" and r.basis == "rule of thumb" and r.rests_on.startswith("no speedup measured; by rule of thumb")
+    rec, _ = decide(pd.DataFrame([_rec_row("ngram", nan, nan, nan, alpha=0.1)]), tmp_path)
+    assert rec.iloc[0].use == "off"
+
+
+def test_engines_are_decided_separately(tmp_path):
+    rows = [{**_rec_row("ngram", 1.8, 1.6, 2.0), "backend": "native"},
+            {**_rec_row("ngram", 0.9, 0.8, 0.95), "backend": "llamacpp"}]
+    rec, notes = decide(pd.DataFrame(rows), tmp_path)
+    rec = rec.set_index("backend")
+    assert rec.loc["native"].use == "ngram k=4" and rec.loc["llamacpp"].use == "off"
+    assert "### llamacpp" in markdown(*decide(pd.DataFrame(rows), tmp_path))
+
+
+def test_baseline_and_failed_jobs_are_not_candidates(tmp_path):
+    rows = [_rec_row("autoregressive", 1.0, 1.0, 1.0), {**_rec_row("ngram", 3.0, 2.9, 3.1), "status": "error"}]
+    assert decide(pd.DataFrame(rows), tmp_path)[0].empty
