@@ -25,19 +25,45 @@ register_configs()
 class SweepProgress:
     """Where a sweep stands: jobs done of the total and the time left at the pace so far. One per
     sweep process (Hydra's basic launcher runs the jobs one after another in it; launchers that run
-    them elsewhere report per job only)."""
+    them elsewhere report per job only).
+
+    Jobs are weighed by the tokens they will prefill and decode (both arms, every repeat:
+    bench.jobspec.job_work), a prompt token counted as the share of a decode step the jobs done so
+    far measured it to cost (their TTFT per prompt token over their TPOT), so a sweep whose last
+    jobs read 8k-token prompts is not told it is nearly done after its short ones."""
     total = 0
     done = 0
     started = 0.0
+    work: list = []  # per job, in launch order: (prompt tokens, decode tokens)
+    prefill_ratios: list = []  # per finished job: a prompt token's cost in decode steps
 
     @classmethod
-    def begin(cls, total: int) -> None:
+    def begin(cls, total: int, work: list | None = None) -> None:
         cls.total, cls.done, cls.started = total, 0, time.monotonic()
+        cls.work, cls.prefill_ratios = list(work or []), []
+
+    @classmethod
+    def record(cls, row: dict) -> None:
+        """A finished job's row: its TTFT per prompt token over its TPOT, where it has them."""
+        ttft, tpot, n = row.get("ttft_p50"), row.get("tpot_p50"), row.get("prompt_tokens_median")
+        if all(isinstance(v, (int, float)) and v == v and v > 0 for v in (ttft, tpot, n)):
+            cls.prefill_ratios.append(ttft / n / tpot)
+
+    @classmethod
+    def _units(cls, jobs) -> float:
+        r = sorted(cls.prefill_ratios)[len(cls.prefill_ratios) // 2] if cls.prefill_ratios else 0.0
+        return sum(prompt * r + decode for prompt, decode in jobs)
 
     @classmethod
     def left_s(cls) -> float | None:
-        """Seconds left at the pace of the jobs done so far (None before the first is done)."""
-        return (time.monotonic() - cls.started) / cls.done * (cls.total - cls.done) if cls.done else None
+        """Seconds left at the pace of the jobs done so far (None before the first is done):
+        weighed by the jobs' tokens where they are known, else one job counting as any other."""
+        if not cls.done:
+            return None
+        elapsed = time.monotonic() - cls.started
+        if len(cls.work) == cls.total and cls._units(cls.work[:cls.done]) > 0:
+            return elapsed * cls._units(cls.work[cls.done:]) / cls._units(cls.work[:cls.done])
+        return elapsed / cls.done * (cls.total - cls.done)
 
     @classmethod
     def label(cls) -> str:
@@ -169,9 +195,9 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from .sweeper import check_sweep
 
-        jobs = check_sweep(config)  # every job, before any runs: bad input anywhere is exit 2 and nothing runs
+        work = check_sweep(config)  # every job, before any runs: bad input anywhere is exit 2 and nothing runs
         SweepSummary.checked = True
-        SweepProgress.begin(jobs or 0)
+        SweepProgress.begin(len(work or []), work)
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         if SweepProgress.total:
@@ -236,6 +262,7 @@ def _job(cfg: DictConfig) -> dict | None:
     except ConfigError as e:
         log.error("%s", e)
         raise SystemExit(2) from None
+    SweepProgress.record(row)
     sp = row.get("speedup")
     log.info("%s: status=%s speedup=%s acceptance=%s", row.get("job"), row.get("status"),
              f"{sp:.3f}" if isinstance(sp, float) else sp, row.get("acceptance_rate"))

@@ -139,3 +139,15 @@ def check_context(c: dict, adapter, settings: dict) -> None:
         raise ValueError(f"prompt_tokens={c['prompt_tokens']} + max_new_tokens={c['max_new_tokens']} + a draft of "
                          f"{c['num_speculative_tokens']} need {per_row} tokens{shared}; backend.{key}={limit} holds "
                          f"fewer: raise it (backend.{key}={per_row * rows}) or shorten the lengths")
+
+
+def job_work(cfg: DictConfig) -> tuple[int, int]:
+    """The tokens a job will prefill (at a set input length; 0 otherwise, the workloads' own
+    prompts being short) and decode, over both arms and every repeat: what the sweep's progress
+    weighs jobs by."""
+    c = load.normalize(OmegaConf.to_container(cfg, resolve=True))
+    ld = c.get("load") or {"kind": "static"}
+    requests = c["num_prompts"] if ld["kind"] == "static" else ld["num_requests"]
+    arms = 2 if c["method"].get("speculative", True) or c.get("aa_control") else 1
+    runs = requests * c["repeats"] * arms
+    return runs * int(c.get("prompt_tokens") or 0), runs * int(c["max_new_tokens"])

@@ -31,20 +31,21 @@ def sweep_jobs(config) -> list[list[str]]:
     return [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
-def check_sweep(config) -> int | None:
-    """Check every job of the multirun (exit 2 on bad input); the number of jobs, or None where
-    another sweeper expands them."""
+def check_sweep(config) -> list[tuple[int, int]] | None:
+    """Check every job of the multirun (exit 2 on bad input); per job, in launch order, the tokens
+    it will prefill and decode (bench.jobspec.job_work), or None where another sweeper expands
+    them."""
     from hydra.core.global_hydra import GlobalHydra
 
     from .methods import method_schemas
-    from .jobspec import check_job
+    from .jobspec import check_job, job_work
 
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         log.info("sweeper %s: its jobs are checked one by one as they start", config.hydra.sweeper.get("_target_"))
         return None
     loader = GlobalHydra.instance().config_loader()
     jobs = sweep_jobs(config)
-    problems = []
+    problems, work = [], []
     used, ignored = set(), {}  # method keys some job's engine reads; keys ignored -> the methods ignoring them
     from omegaconf import open_dict
 
@@ -57,6 +58,7 @@ def check_sweep(config) -> int | None:
         except (ValueError, FileNotFoundError) as e:  # ConfigError, WorkloadError and the adapters' own
             problems.append(f"  job {' '.join(job) or '(defaults)'}: {e}")
             continue
+        work.append(job_work(cfg))
         used |= {str(k) for k in cfg.method if k not in skipped}
         for k in skipped:
             ignored.setdefault(k, set()).add(str(cfg.method.name))
@@ -68,5 +70,7 @@ def check_sweep(config) -> int | None:
         owners = [m for m, keys in method_schemas().items() if k in keys]
         log.warning("method.%s is a knob of %s, which this sweep does not run: every job ignores it (%s); each row "
                     "lists it in method_ignored_keys", k, ", ".join(owners), ", ".join(sorted(ignored[k])))
-    log.info("checked %d jobs before running any", len(jobs))
-    return len(jobs)
+    prompt, decode = (sum(w[i] for w in work) for i in (0, 1))
+    log.info("checked %d jobs before running any: %s tokens to decode%s", len(jobs), f"{decode:,}",
+             f" and {prompt:,} prompt tokens to prefill" if prompt else "")
+    return work

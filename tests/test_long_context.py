@@ -121,3 +121,28 @@ def test_llama_cpp_in_process_prefills_a_prompt_longer_than_its_micro_batch():
     finally:
         b.close()
     assert len(base.output_token_ids) == 24 and spec.output_token_ids == base.output_token_ids
+
+
+def test_the_sweeps_time_left_weighs_jobs_by_the_tokens_they_prefill_and_decode(tmp_path, monkeypatch):
+    """Three jobs of 512, 2048 and 8192 prompt tokens: after the first, the time left counts the
+    later jobs' longer prefills (a prompt token costing what the first job measured), not two more
+    jobs like the first."""
+    from bench import cli
+    from bench.jobspec import job_work
+
+    work = [job_work(_cfg(tmp_path, "prompt_tokens=" + str(n), "max_new_tokens=100", "num_prompts=2", "repeats=2"))
+            for n in (512, 2048, 8192)]
+    assert work[0] == (2 * 2 * 2 * 512, 2 * 2 * 2 * 100)  # prompts x repeats x arms
+    now = [1000.0]
+    monkeypatch.setattr(cli.time, "monotonic", lambda: now[0])
+    cli.SweepProgress.begin(3, work)
+    now[0] += 60.0
+    cli.SweepProgress.done = 1
+    cli.SweepProgress.record({"ttft_p50": 0.512, "tpot_p50": 0.02, "prompt_tokens_median": 512})  # 1 ms a prompt token
+    units = [p * 0.05 + d for p, d in work]  # a prompt token: 1 ms / 20 ms of a decode step
+    assert cli.SweepProgress.left_s() == pytest.approx(60.0 * (units[1] + units[2]) / units[0])
+    assert cli.SweepProgress.left_s() > 2 * 60.0  # more than "two more jobs like the first"
+    cli.SweepProgress.begin(3)  # launchers that expand jobs elsewhere: one job counts as any other
+    now[0] += 30.0
+    cli.SweepProgress.done = 1
+    assert cli.SweepProgress.left_s() == pytest.approx(60.0)
