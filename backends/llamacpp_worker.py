@@ -39,7 +39,7 @@ from bench.backend import BatchOutput, LoadPlan, RequestOutput, Sampling
 from bench.methods import knobs
 
 from .llamacpp import weight_buffers
-from .native.drafters import Drafter, NgramDrafter, Proposal
+from .native.drafters import Drafter, Proposal, ngram_drafter
 from .native.engine import generate as run_static
 from .native.sampling import SamplingParams, select
 from .native.scheduler import serve as run_load
@@ -235,9 +235,7 @@ class Engine:
         self.eos = (self.target.llm.token_eos(),)
         self.target_model = LlamaCppTarget(self.target, cfg["max_rows"], cfg["n_ctx"])
         m = self.method
-        n = knobs("ngram", m)
-        self.drafter = {"ngram": lambda: NgramDrafter(self.k, n["min_ngram"], n["max_ngram"], n["prefer_recent"],
-                                                      n["min_hits"]),
+        self.drafter = {"ngram": lambda: ngram_drafter(m, self.k),
                         "draft_model": lambda: LlamaCppDraftModel(self.draft, self.k, f"draft model {m.get('draft_path')}"),
                         }.get(m["name"], lambda: None)()
 

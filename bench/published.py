@@ -230,6 +230,8 @@ def render(folder: Path) -> Path:
     cols = keys + [c for c in ("speedup[ci]", "tpot_speedup[ci]", "goodput_ratio", "acceptance_rate",
                                "mean_acceptance_length", "verify_fraction:.0%", "draft_fraction:.1%",
                                "baseline_roofline_share", "lossless", "aa_verdict") if has(c)]
+    if not cols:  # not a sweep's rows (a benchmark's own figures): every column it recorded
+        cols = [c for c in df.columns if has(c)]
     lines = [f"# {env.get('title', name)}, {env.get('date', '')}", "",
              f"Machine: <!-- machine {name} -->{expand('machine', name)}<!-- /machine -->; commit "
              f"{env.get('git_commit')}.", "",

@@ -89,6 +89,8 @@ def main():
     ap.add_argument("--compile", default=None, help="also time the steps compiled in this torch.compile mode "
                     "(backend.compile: default, reduce-overhead, ...)")
     ap.add_argument("--out", default="benchmarks/native_speed.json")
+    ap.add_argument("--record", type=Path, default=None,
+                    help="also keep the run as a measurement folder the docs quote (docs/measurements/DATE-native-speed)")
     a = ap.parse_args()
     if a.compile is not None and a.compile not in COMPILE_MODES:
         ap.error(f"--compile {a.compile!r} is not a mode; use one of {', '.join(COMPILE_MODES)}")
@@ -204,6 +206,33 @@ def main():
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "verify_cost_ratio"}, indent=1))
+    if a.record:
+        record(res, a.record, " ".join(["python", "benchmarks/native_speed.py", *sys.argv[1:]]))
+
+
+def record(res: dict, out: Path, command: str) -> None:
+    """The run as a measurement folder (bench/published.py): index.csv, one row of its scalar
+    figures (r1..r9: the verify cost ratio at n tokens; tokens_per_s_<config>), environment.json
+    and a generated index.md."""
+    import pandas as pd
+
+    from bench.environment import snapshot
+    from bench.published import render
+
+    row = {k: v for k, v in res.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    row.update({f"r{n}": v for n, v in res["verify_cost_ratio"].items()})
+    row.update({f"tokens_per_s_{k}": v for k, v in res["tokens_per_s"].items()})
+    row.update({f"goal_{'roofline' if 'roofline' in g else 'r5'}": ok for g, ok in res["goals"].items()})
+    out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([row]).to_csv(out / "index.csv", index=False)
+    env = snapshot()
+    meta = {"title": "Native engine speed on the default model", "date": time.strftime("%Y-%m-%d"), "cpu": env["cpu"],
+            "cpu_count": env["cpu_count"], "threads": [res["threads"]],
+            "loadavg_range": [res["loadavg_start"][0], res["loadavg_end"][0]], "git_commit": env["git_commit"],
+            "python": env["python"], "packages": env["packages"], "commands": [command],
+            "note": f"Kernel plan chosen at run time: {res['kernels']}"}
+    (out / "environment.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    print(render(out))
 
 
 if __name__ == "__main__":

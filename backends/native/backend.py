@@ -12,8 +12,8 @@ from bench.methods import knobs, specsweep_overrides, synthetic_rates
 from ..cpu_probe import cpu_identity
 from . import kernels
 from .adaptive import AdaptiveDrafter
-from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NgramDrafter, NoDrafter,
-                       SyntheticDrafter)
+from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NoDrafter, SyntheticDrafter,
+                       ngram_drafter)
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate, margins_across_shapes, max_len_for, setup
 from .scheduler import serve
@@ -171,20 +171,9 @@ class NativeBackend(Backend):
         if name == "autoregressive":
             return None
         if name == "ngram":
-            n = knobs("ngram", m)
-            return NgramDrafter(k, n["min_ngram"], n["max_ngram"], n["prefer_recent"], n["min_hits"])
+            return ngram_drafter(m, k)
         if name == "draft_model":
-            if m.get("draft_path"):
-                draft, dtok, dargs, _ = load_model(m["draft_path"], dtype=self.cfg.dtype, device=self.cfg.device)
-                if dargs.vocab_size != self.args.vocab_size or dtok.get_vocab_size() != self.tokenizer.get_vocab_size():
-                    raise ValueError(
-                        f"draft model {m['draft_path']!r} has a vocabulary of {dargs.vocab_size} (tokenizer "
-                        f"{dtok.get_vocab_size()}), the target {self.args.vocab_size} (tokenizer "
-                        f"{self.tokenizer.get_vocab_size()}); a draft model must share the target's tokenizer")
-                return ModelDrafter(draft, k, f"draft model {m['draft_path']}{vocab_note}", vocab)
-            L = knobs("draft_model", m)["draft_layers"]  # conf/method/draft_model.yaml's, unless the job sets it
-            label = f"derived from target: its first {L} of {n_layers} layers + its output head (untrained){vocab_note}"
-            return ModelDrafter(self.model.truncated(L), k, label, vocab)
+            return self._draft_model(m, vocab, vocab_note)
         if name == "layer_skip":
             skip = sorted(set(m.get("skip_layers") or []))
             bad = [i for i in skip if not 0 <= i < n_layers]
@@ -225,6 +214,22 @@ class NativeBackend(Backend):
             return SyntheticDrafter(k, rates, f"synthetic: acceptance forced at the verifier, unconditional per-position "
                                               f"rates {[round(x, 4) for x in rates]}")
         raise AssertionError(name)
+
+    def _draft_model(self, m: dict, vocab: int | None, vocab_note: str):
+        """A draft model: the file at draft_path (sharing the target's tokenizer), else derived from
+        the target (its first draft_layers layers and its output head)."""
+        k, n_layers = self.k, self.args.n_layers
+        if m.get("draft_path"):
+            draft, dtok, dargs, _ = load_model(m["draft_path"], dtype=self.cfg.dtype, device=self.cfg.device)
+            if dargs.vocab_size != self.args.vocab_size or dtok.get_vocab_size() != self.tokenizer.get_vocab_size():
+                raise ValueError(
+                    f"draft model {m['draft_path']!r} has a vocabulary of {dargs.vocab_size} (tokenizer "
+                    f"{dtok.get_vocab_size()}), the target {self.args.vocab_size} (tokenizer "
+                    f"{self.tokenizer.get_vocab_size()}); a draft model must share the target's tokenizer")
+            return ModelDrafter(draft, k, f"draft model {m['draft_path']}{vocab_note}", vocab)
+        L = knobs("draft_model", m)["draft_layers"]  # conf/method/draft_model.yaml's, unless the job sets it
+        label = f"derived from target: its first {L} of {n_layers} layers + its output head (untrained){vocab_note}"
+        return ModelDrafter(self.model.truncated(L), k, label, vocab)
 
     def _load_head(self, name: str, head_path: str | None):
         kind = "eagle" if name == "eagle" else "eagle3"

@@ -11,6 +11,7 @@ import torch
 
 import torch.nn.functional as F
 
+from bench.methods import knobs
 from bench.ngram import ngram_lookup
 
 from .model import Transformer
@@ -72,6 +73,13 @@ class NoDrafter(Drafter):
 
     def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
         return Proposal([[] for _ in rows], [None] * len(rows))
+
+
+def ngram_drafter(method: dict, k: int) -> "NgramDrafter":
+    """The n-gram drafter of a method config (its knobs from conf/method/ngram.yaml unless the job
+    sets them): the one factory the native engine and the llama.cpp worker both build it with."""
+    n = knobs("ngram", method)
+    return NgramDrafter(k, n["min_ngram"], n["max_ngram"], n["prefer_recent"], n["min_hits"])
 
 
 class NgramDrafter(Drafter):
