@@ -225,7 +225,7 @@ def render(folder: Path) -> Path:
         c = spec.split("[")[0].split(":")[0]
         return c in df.columns and df[c].notna().any() and not (df[c].astype(str) == "static").all()
 
-    keys = [c for c in ("backend", "method", "workload", "batch_size", "load_label")
+    keys = [c for c in ("backend", "method", "workload", "batch_size", "load_label", "prompt_tokens")
             if has(c) and (df[c].nunique() > 1 or c in ("method", "workload", "load_label"))]
     cols = keys + [c for c in ("speedup[ci]", "tpot_speedup[ci]", "goodput_ratio", "acceptance_rate",
                                "mean_acceptance_length", "verify_fraction:.0%", "draft_fraction:.1%",
