@@ -119,10 +119,6 @@ class ArmRecord:
     batches: list[dict]
     counters: SpecCounters | None = None
 
-    @classmethod
-    def empty(cls) -> "ArmRecord":
-        return cls(pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), [])
-
 
 @dataclass
 class Measured:
@@ -252,15 +248,20 @@ def measure_shared(backend, job: JobPlan, root: Path, probes: environment.Roofli
             got = _reuse_shared(backend, job, bdir, shared, progress)
         else:
             got = _measure_shared(backend, job, bdir, bident, probes, progress)
-    spec = Measurement("spec")
-    for r in range(c["repeats"]):
+    got.method = _measure_arm(backend, Measurement("spec"), job, probes, progress).record(job.prompts, job.ids, backend)
+    return got
+
+
+def _measure_arm(backend, m: Measurement, job: JobPlan, probes, progress) -> Measurement:
+    """Every batch of one arm, repeat after repeat (the shared baseline's way: the arms apart), the
+    roofline probed between repeats."""
+    for r in range(job.c["repeats"]):
         for bi, idx in enumerate(job.batches):
-            measure_batch(backend, spec, job.ids, bi, idx, c, r)
+            measure_batch(backend, m, job.ids, bi, idx, job.c, r)
             if progress:
                 progress()
         probes.take()
-    got.method = spec.record(job.prompts, job.ids, backend)
-    return got
+    return m
 
 
 def _reuse_shared(backend, job: JobPlan, bdir: Path, shared: dict, progress) -> Measured:
@@ -281,13 +282,7 @@ def _reuse_shared(backend, job: JobPlan, bdir: Path, shared: dict, progress) -> 
 
 def _measure_shared(backend, job: JobPlan, bdir: Path, bident: dict, probes, progress) -> Measured:
     """The shared baseline measured here, every repeat, and stored whole (its manifest last)."""
-    base = Measurement("baseline")
-    for r in range(job.c["repeats"]):
-        for bi, idx in enumerate(job.batches):
-            measure_batch(backend, base, job.ids, bi, idx, job.c, r)
-            if progress:
-                progress()
-        probes.take()
+    base = _measure_arm(backend, Measurement("baseline"), job, probes, progress)
     baseline = base.record(job.prompts, job.ids, backend)
     write_parquet(bdir / "requests.parquet", baseline.requests)
     write_parquet(bdir / "cycles.parquet", baseline.cycles)
@@ -316,8 +311,6 @@ def measure(backend: Backend, c: dict, prompts, root: Path, progress_factory, pr
     progress = progress_factory(job_label, job.steps) if progress_factory else None
     if c["warmup"]:
         warm_up(backend, job)
-    compute = backend.matmul_flops_per_token()
-    probes.dtype = compute[1] if compute else None  # the peak rate is probed in the dtype the products run in
     if c["baseline"] == "paired" or not job.speculative:
         got = measure_paired(backend, job, probes, progress)
     else:

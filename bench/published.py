@@ -83,7 +83,6 @@ class MarkerError(ValueError):
 def record(sweep_dir: Path, out: Path, title: str, commands: list[str], note: str = "",
            columns: list[str] | None = None, plots: tuple[str, ...] = ()) -> Path:
     """Write OUT/index.csv (the sweep's rows, these columns), OUT/environment.json and OUT/index.md."""
-    from bench.environment import snapshot
     from bench.results import load_summaries
 
     df = load_summaries(Path(sweep_dir))
@@ -92,22 +91,32 @@ def record(sweep_dir: Path, out: Path, title: str, commands: list[str], note: st
     cols = [c for c in (columns or DEFAULT_COLUMNS) if c in df.columns] + flat_buckets(df)
     order = [c for c in ("backend", "method", "workload", "load_kind", "load_level", "batch_size", "prompt_tokens")
              if c in df.columns]
-    out.mkdir(parents=True, exist_ok=True)
-    df.sort_values(order)[cols].to_csv(out / "index.csv", index=False)
-    env = snapshot()
     first = df.iloc[0]
-    meta = {"title": title, "date": time.strftime("%Y-%m-%d"), "cpu": first.get("cpu", env["cpu"]),
-            "cpu_count": env["cpu_count"], "threads": sorted({int(t) for t in df.get("threads", []) if t == t}),
-            "loadavg_range": _load_range(df) or [env["loadavg"][0], env["loadavg"][0]],
-            "git_commit": env["git_commit"], "python": env["python"], "packages": env["packages"],
-            "commands": commands, "note": note}
-    (out / "environment.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    write_folder(out, df.sort_values(order)[cols], title, commands, note, cpu=first.get("cpu"),
+                 threads=sorted({int(t) for t in df.get("threads", []) if t == t}), loadavg_range=_load_range(df))
     for name in plots:
         src = Path(sweep_dir) / "report" / name
         if src.exists():
             (out / name).write_bytes(src.read_bytes())
     render(out)
     return out
+
+
+def write_folder(out: Path, rows: pd.DataFrame, title: str, commands: list[str], note: str = "", cpu: str | None = None,
+                 threads: list[int] | None = None, loadavg_range: list[float] | None = None) -> None:
+    """A measurement folder's data: OUT/index.csv (these rows) and OUT/environment.json (the
+    machine, its load, the versions, the commands; what is not given is read from this machine
+    now). index.md is render()'s."""
+    from bench.environment import snapshot
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows.to_csv(out / "index.csv", index=False)
+    env = snapshot()
+    meta = {"title": title, "date": time.strftime("%Y-%m-%d"), "cpu": cpu or env["cpu"], "cpu_count": env["cpu_count"],
+            "threads": threads or [], "loadavg_range": loadavg_range or [env["loadavg"][0], env["loadavg"][0]],
+            "git_commit": env["git_commit"], "python": env["python"], "packages": env["packages"],
+            "commands": commands, "note": note}
+    (out / "environment.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
 
 
 def _load_range(df: pd.DataFrame) -> list[float] | None:

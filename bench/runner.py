@@ -25,7 +25,6 @@ from .jobspec import JobSpec
 from .jobtimer import JOB_TIMER, cancel_job_timeout, start_job_timeout
 from .lossless import lossless_columns
 from .measure import Measured, latency_note, measure, measurement_device
-from .methods import forces_acceptance
 from .metrics.job import roofline, summarize
 from .results import (MANIFEST, JobKey, build_index, incomplete_reason, is_complete, read_json, write_json, write_manifest,
                       write_parquet, write_text)
@@ -131,6 +130,8 @@ def measure_job(backend: Backend, job: JobSpec, prompts, progress_factory, probe
     before anything is computed from them, then the metrics (bench/metrics/job.py), the roofline,
     the lossless check (asking the engine, untimed, about any divergence) and the A/A verdict."""
     c = job.c
+    compute = backend.matmul_flops_per_token()
+    probes.dtype = compute[1] if compute else None  # the peak rate is probed in the dtype the products run in
     got = measure(backend, c, prompts, job.root, progress_factory, probes, job.dir.name)
     _write_tables(job.dir, got)
     engine, contract = backend.describe(), backend.latency_contract()
@@ -140,11 +141,10 @@ def measure_job(backend: Backend, job: JobSpec, prompts, progress_factory, probe
         out["baseline_drift"] = got.baseline_drift
     if c["baseline"] == "shared" and got.speculative:
         out["baseline_id"] = got.baseline_id
-    out.update(roofline(backend.weight_bytes_per_step(), backend.matmul_flops_per_token(), probes.summary(),
-                        got.baseline))
+    out.update(roofline(backend.weight_bytes_per_step(), compute, probes.summary(), got.baseline))
     out.update(summarize(c, got))
-    forced = bool(got.speculative and c.get("method") and forces_acceptance(c["method"]))
-    out.update(lossless_columns(backend, c, got, forced, job.dir.name, keep_going=lambda: not JOB_TIMER["expired"]))
+    out.update(lossless_columns(backend, c, got, out["acceptance_forced"], job.dir.name,
+                                keep_going=lambda: not JOB_TIMER["expired"]))
     if c.get("aa_control"):
         out["aa_verdict"] = metrics.aa_verdict(out)
     return out

@@ -216,22 +216,15 @@ def record(res: dict, out: Path, command: str) -> None:
     and a generated index.md."""
     import pandas as pd
 
-    from bench.environment import snapshot
-    from bench.published import render
+    from bench.published import render, write_folder
 
     row = {k: v for k, v in res.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     row.update({f"r{n}": v for n, v in res["verify_cost_ratio"].items()})
     row.update({f"tokens_per_s_{k}": v for k, v in res["tokens_per_s"].items()})
     row.update({f"goal_{'roofline' if 'roofline' in g else 'r5'}": ok for g, ok in res["goals"].items()})
-    out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame([row]).to_csv(out / "index.csv", index=False)
-    env = snapshot()
-    meta = {"title": "Native engine speed on the default model", "date": time.strftime("%Y-%m-%d"), "cpu": env["cpu"],
-            "cpu_count": env["cpu_count"], "threads": [res["threads"]],
-            "loadavg_range": [res["loadavg_start"][0], res["loadavg_end"][0]], "git_commit": env["git_commit"],
-            "python": env["python"], "packages": env["packages"], "commands": [command],
-            "note": f"Kernel plan chosen at run time: {res['kernels']}"}
-    (out / "environment.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    write_folder(out, pd.DataFrame([row]), "Native engine speed on the default model", [command],
+                 f"Kernel plan chosen at run time: {res['kernels']}", threads=[res["threads"]],
+                 loadavg_range=[res["loadavg_start"][0], res["loadavg_end"][0]])
     print(render(out))
 
 

@@ -26,8 +26,9 @@ def summarize(c: dict, got: "Measured") -> dict:
     engine's counters), the time split and cost ratios. The lossless verdict's first pass is
     bench/lossless.py's; the roofline is roofline()'s."""
     base, spec = got.baseline, got.spec
+    p = pairs(base.batches, spec.batches, got.first) if got.speculative else None
     s = {"baseline_tokens_per_s": float(np.median(throughputs(base.batches)))}
-    s.update(speed(c, got))
+    s.update(speed(c, got, p))
     s["output_tokens"] = int(spec.requests.n_output.sum()) if len(spec.requests) else 0
     s["prompt_tokens_median"] = (float(spec.requests.n_prompt.median()) if "n_prompt" in spec.requests.columns
                                  else math.nan)
@@ -46,7 +47,6 @@ def summarize(c: dict, got: "Measured") -> dict:
         s.update(traced_acceptance(spec, base, c["num_speculative_tokens"]))
     else:
         s.update(counted_acceptance(spec, base, c["num_speculative_tokens"]))
-    p = pairs(base.batches, spec.batches, got.first) if got.speculative else None
     if p is not None and got.first:
         s.update(speedup_by_order(p))
     if p is not None and len(p):
@@ -56,14 +56,13 @@ def summarize(c: dict, got: "Measured") -> dict:
     return s
 
 
-def speed(c: dict, got: "Measured") -> dict:
+def speed(c: dict, got: "Measured", p: pd.DataFrame | None) -> dict:
     """tokens_per_s and speedup with its 95% interval: paired batch by batch (a cluster bootstrap
-    over pairs) where the arms share (repeat, batch), 1.0 for a baseline-only job."""
+    over the pairs `p`) where the arms share (repeat, batch), 1.0 for a baseline-only job."""
     spec_tp = throughputs(got.spec.batches)
     s = {"tokens_per_s": float(np.median(spec_tp))}
     if not got.speculative:
         return {**s, "speedup": 1.0, "speedup_ci_low": 1.0, "speedup_ci_high": 1.0}
-    p = pairs(got.baseline.batches, got.method.batches, got.first)
     if len(p):
         return {**s, **paired_speedup(p.tokens_spec, p.wall_s_spec, p.tokens_base, p.wall_s_base, seed=c["seed"])}
     return {**s, **speedup_with_interval(spec_tp, throughputs(got.baseline.batches), seed=c["seed"])}

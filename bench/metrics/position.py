@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from . import acceptance, counts_from_cycles
+from . import acceptance, batched_cycles, counts_from_cycles, verify_cost_ratio
 
 # Bucket edges in output tokens: [0, 256), [256, 1024), [1024, 4096), [4096, ...). The first
 # holds every short answer; the others follow the lengths at which drafters' acceptance has been
@@ -99,8 +99,6 @@ def cost_by_context(spec_cycles: pd.DataFrame, base_cycles: pd.DataFrame, k: int
     cycle once), and where the method verified full drafts of k there, the verify cost ratio (their
     median t_verify over the baseline's median t_verify in the band: bench.metrics
     verify_cost_ratio's definition, per band). Empty without a trace."""
-    from . import batched_cycles, verify_cost_ratio
-
     if not len(base_cycles) or "kv_len" not in base_cycles.columns:
         return {}
     labels = bucket_labels(edges)
