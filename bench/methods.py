@@ -1,5 +1,5 @@
-"""What drafts, for each method: declared once, in conf/method/<name>.yaml (`drafter:`), and read
-here, so that no part of the harness decides by a method's name.
+"""What drafts, for each method: declared once, in its typed node (bench/method_settings.py,
+`drafter`), and read here, so that no part of the harness decides by a method's name.
 
 | drafter | what proposes the draft                            | its cost                     |
 |---------|----------------------------------------------------|------------------------------|
@@ -21,26 +21,20 @@ from __future__ import annotations
 
 import difflib
 from functools import lru_cache
-from pathlib import Path
 
-from omegaconf import OmegaConf
+from .method_settings import method_defaults_table
 
 DRAFTER_KINDS = ("none", "lookup", "model", "head", "layers", "mixed", "synthetic")
-METHOD_DIR = Path(__file__).resolve().parent.parent / "conf" / "method"
 
 
 @lru_cache(maxsize=None)
 def _method_configs() -> dict[str, dict]:
-    """Method name -> its config as conf/method/<name>.yaml writes it, for every file there."""
-    out = {}
-    for f in sorted(METHOD_DIR.glob("*.yaml")):
-        cfg = OmegaConf.to_container(OmegaConf.load(f))
-        out[str(cfg["name"])] = cfg
-    return out
+    """Method name -> its typed node's values (bench/method_settings.py), for every method."""
+    return method_defaults_table()
 
 
 def known_methods() -> dict[str, str]:
-    """Method name -> its drafter kind, for every config in conf/method."""
+    """Method name -> its drafter kind, for every method (bench/method_settings.py)."""
     return dict(_known_kinds())  # a copy: the cached one is shared
 
 
@@ -51,20 +45,20 @@ def _known_kinds() -> dict[str, str]:
 
 
 def method_schemas() -> dict[str, list[str]]:
-    """Method name -> its knobs: each method's conf/method/<name>.yaml is its schema, its keys
-    (each written there with its default) the only keys a job of that method may set."""
+    """Method name -> its knobs: each method's typed node (bench/method_settings.py) is its schema,
+    its fields (each declared there with its default) the only keys a job of that method may set."""
     return {name: list(cfg) for name, cfg in _method_configs().items()}
 
 
 def split_method_keys(method) -> tuple[list[str], list[str]]:
     """A job's method keys outside its method's schema, as (ignored, unknown). ignored: a knob of
-    another method in conf/method (a sweep over several methods sets one method's knob for all
+    another method (a sweep over several methods sets one method's knob for all
     its jobs: `method=ngram,draft_model ++method.draft_layers=1`); the job's engine is not given
     it and its row lists it (method_ignored_keys). unknown: a knob of no method, a typo or a
     `+key=` Hydra suggested: a configuration error (method_key_problems). A mixed drafter
     (combined, adaptive) drafts with other methods' drafters, which read their own knobs from
     its config: every method's knob is one of its own. A method without a schema (a name not in
-    conf/method) has nothing to check against: ([], [])."""
+    bench/method_settings.py, e.g. a user's own config file) has nothing to check against: ([], [])."""
     schemas = method_schemas()
     own = schemas.get(str(method.get("name")))
     if own is None:
@@ -77,7 +71,7 @@ def split_method_keys(method) -> tuple[list[str], list[str]]:
 
 
 def method_key_problems(method) -> list[str]:
-    """For each key of the method that no method in conf/method knows: what is wrong and the
+    """For each key of the method that no method knows: what is wrong and the
     method's valid keys."""
     name = str(method.get("name"))
     _, unknown = split_method_keys(method)
@@ -85,19 +79,19 @@ def method_key_problems(method) -> list[str]:
         return []
     own = ", ".join(method_schemas()[name])
     if method.get("drafter") == "mixed":
-        own += ", and the knobs of the methods it drafts with (their conf/method files)"
+        own += ", and the knobs of the methods it drafts with (bench/method_settings.py)"
     anyone = sorted({k for keys in method_schemas().values() for k in keys})
     out = []
     for key in unknown:
         near = difflib.get_close_matches(key, anyone, n=1)
-        out.append(f"method.{key} is not a knob of method {name} (nor of any method in conf/method"
+        out.append(f"method.{key} is not a knob of method {name} (nor of any method"
                    f"{f'; did you mean {near[0]}?' if near else ''}); valid for {name}: {own} "
-                   f"(conf/method/{name}.yaml)")
+                   f"(bench/method_settings.py)")
     return out
 
 
 # Kinds of methods named only in a trace file or a cost model (a method of another harness),
-# declared by the user (specsweep-oracle --drafter-kind NAME=KIND): consulted before conf/method.
+# declared by the user (specsweep-oracle --drafter-kind NAME=KIND): consulted before specsweep's own methods.
 DECLARED: dict[str, str] = {}
 
 
@@ -112,7 +106,7 @@ def declare(pairs) -> None:
 
 def drafter_kind(method) -> str:
     """The drafter kind of a method: a method config (its `drafter` key) or a method's name (as a
-    trace or a result row names it: looked up in DECLARED, then in conf/method). A name found in
+    trace or a result row names it: looked up in DECLARED, then among specsweep's methods). A name found in
     neither is an error saying how to declare it."""
     if not isinstance(method, str):
         kind = method.get("drafter")
@@ -127,7 +121,7 @@ def drafter_kind(method) -> str:
     kinds = _known_kinds()
     if kinds.get(method) in DRAFTER_KINDS:
         return kinds[method]
-    raise ValueError(f"method {method!r} has no conf/method/{method}.yaml declaring its drafter; known methods: "
+    raise ValueError(f"method {method!r} is not one of specsweep's methods (bench/method_settings.py), so its drafter kind is unknown; known methods: "
                      f"{', '.join(kinds)}; declare another with --drafter-kind {method}=KIND (KIND one of "
                      f"{', '.join(DRAFTER_KINDS)})")
 
@@ -202,13 +196,13 @@ def conditional_rates(rates: list[float]) -> list[float]:
 
 
 def method_defaults(name: str) -> dict:
-    """conf/method/<name>.yaml as a dict ({} for a method without one)."""
+    """A method's typed node as a dict: its name, kind and every knob's default ({} for an unknown name)."""
     return dict(_method_configs().get(name, {}))
 
 
 def knobs(name: str, given: dict) -> dict:
-    """The knobs a drafter of method `name` runs with: its conf/method/<name>.yaml (the one place
-    each default is written), overridden by those given (a job's method config; for a mixed
+    """The knobs a drafter of method `name` runs with: its typed node's defaults (bench/method_settings.py,
+    the one place each default is written), overridden by those given (a job's method config; for a mixed
     drafter's sub-drafter, the mixed method's). Adapters read knobs from this, never with a
     fallback of their own."""
     return {**method_defaults(name), **dict(given)}
@@ -228,7 +222,7 @@ def specsweep_overrides(backend: str, supported: tuple[str, ...], method: dict, 
     """specsweep's command-line overrides that run `method` at draft length k on `backend` (k None:
     speculation off, the baseline method): backend, method, num_speculative_tokens, and each
     method.KEY of its own (not another method's, which its engine ignores) whose value differs from
-    conf/method/<name>.yaml's. A method not in `supported` (the engine's) is a ValueError."""
+    its default. A method not in `supported` (the engine's) is a ValueError."""
     if k is None:
         return [f"backend={backend}", "method=autoregressive"]
     name = method["name"]

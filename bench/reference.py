@@ -1,7 +1,7 @@
 """The reference pages, generated from where each thing is declared, so a key cannot be missing
 from them: docs/reference/config.md from the typed config nodes (bench/config.py's SweepConfig,
-each engine adapter's settings dataclass) and the config groups' yaml (conf/method, conf/load,
-conf/workload, conf/model), each key with its default and the comment declared beside it; and
+each engine adapter's settings dataclass, each method's in bench/method_settings.py, each load's and
+workload's beside its code) and the config groups' yaml (conf/model, conf/preset), each key with its default and the comment declared beside it; and
 docs/reference/cli.md from every command's own --help.
 
   python -m bench.reference            # rewrite both pages
@@ -27,10 +27,19 @@ COMMANDS = ("specsweep", "specsweep-report", "specsweep-gate", "specsweep-trace"
 
 
 def _comments(cls) -> dict[str, str]:
-    """Each field's comment in the class's source: the text after `#` on its line, else the
-    comment block right above it."""
+    """Each field's comment in the class's source (and its bases', for the fields it inherits):
+    the text after `#` on its line, else the comment block right above it."""
+    out: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        out.update({k: v for k, v in _own_comments(base).items() if v or k not in out})
+    return out
+
+
+def _own_comments(cls) -> dict[str, str]:
     out, block = {}, []
-    for line in inspect.getsource(cls).splitlines()[1:]:
+    source = inspect.getsource(cls).splitlines()
+    start = next(i for i, line in enumerate(source) if line.startswith("class "))
+    for line in source[start + 1:]:
         s = line.strip()
         if s.startswith("#"):
             block.append(s.lstrip("#").strip())
@@ -126,12 +135,19 @@ def config_page() -> str:
         out += ["Server variants (`conf/backend/`): " + ", ".join(
             f"`backend={s}` ({(yaml.safe_load((CONF / 'backend' / f'{s}.yaml').read_text()) or {}).get('defaults', [''])[0]} "
             "with its server mode)" for s in servers) + ".", ""]
-    for group, title in (("method", "`method`: one file per method, its knobs its schema"),
-                         ("load", "`load`: how requests arrive"), ("workload", "`workload`: where prompts come from")):
+    from bench.method_settings import METHODS
+
+    from bench.load import LOADS
+    from workloads import WORKLOAD_SETTINGS
+
+    for group, title, nodes in (("method", "`method`: one typed node per method, its knobs its schema "
+                                 "(`bench/method_settings.py`)", METHODS), ("load", "`load`: how requests arrive (`bench/load.py`)", LOADS),
+                                ("workload", "`workload`: where prompts come from (`workloads/sources.py`)",
+                                 WORKLOAD_SETTINGS)):
         out += [f"## {title}", ""]
-        for f in sorted(CONF.glob(f"{group}/*.yaml")):
-            head, rows = _yaml_rows(f, f"{group}.")
-            out += [f"### `{group}={f.stem}`", "", head, "", "| key | default | meaning |", "|---|---|---|", *rows, ""]
+        for name, cls in nodes.items():
+            out += [f"### `{group}={name}`", "", " ".join(inspect.getdoc(cls).split()), "",
+                    "| key | type | default | meaning |", "|---|---|---|---|", *_dataclass_rows(cls, f"{group}."), ""]
     out += ["## Presets (`+preset=NAME`)", ""]
     for f in sorted(CONF.glob("preset/*.yaml")):
         head, _ = _yaml_rows(f, "")

@@ -1,7 +1,7 @@
 """Every job of a multirun composed and checked before the first one runs (called by the sweep
 callback in bench/cli.py as the multirun starts). Checked per job, without loading a model: the
 sweep values (bench.config.validate), the method's keys against its schema (its
-conf/method/<name>.yaml: a key no method knows is an error; a knob of another method, set for a
+typed node, bench/method_settings.py: a key no method knows is an error; a knob of another method, set for a
 multi-method sweep, is ignored by the job and listed in its row), that the backend runs the
 method, the backend's own settings and files (Backend.check_config), that the prompts load and
 the results folder can be written. Any failure lists every bad job with its overrides and what

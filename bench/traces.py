@@ -41,7 +41,7 @@ def ngram_acc_len(prompt, generated, k: int, with_draft_len: bool = False, with_
 def replayed_lookup(method: dict) -> dict | None:
     """The knobs of bench/ngram.py's lookup when a method is that lookup, else None. Declared by
     the method's config: a drafter of kind lookup that sets every knob of ngram_lookup (NGRAM_KEYS,
-    as conf/method/ngram.yaml does) is replayed over the tokens, no engine needed; other lookups
+    as ngram's typed node does) is replayed over the tokens, no engine needed; other lookups
     (llama-server's n-gram maps and caches, suffix trees) are their engines' own and are not."""
     if drafter_kind(method) != "lookup" or not set(NGRAM_KEYS) <= set(method):
         return None
@@ -66,7 +66,7 @@ def cycle_draft_probs(probs, k: int, chains: bool) -> list[list[float]]:
 
 
 def method_config(name: str, job_cfg) -> dict:
-    """The method's config as conf/method/<name>.yaml has it, with the job's own values when the job
+    """The method's config as its typed node declares it, with the job's own values when the job
     ran that method."""
     conf = Path(__file__).resolve().parent.parent / "conf" / "method" / f"{name}.yaml"
     if not conf.exists():
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=["ngram"], help="ngram, draft_model, layer_skip, eagle, eagle3, p_eagle, mtp (default: ngram)")
     ap.add_argument("--k", type=int, help="draft length (default: the job's num_speculative_tokens)")
     ap.add_argument("--set", nargs="+", default=[], metavar="METHOD.KEY=VALUE",
-                    help="a method's knob for its trace, over conf/method/<name>.yaml's (and the job's own), e.g. "
+                    help="a method's knob for its trace, over its default (and the job's own), e.g. "
                          "draft_model.draft_layers=6")
     ap.add_argument("--out", help="output JSONL (default: <job_dir>/traces.jsonl)")
     a = ap.parse_args(argv)

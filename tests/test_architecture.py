@@ -6,7 +6,6 @@ import ast
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_NEVER_FROM_ADAPTERS = ("bench.runner", "bench.metrics", "bench.report", "bench.decision",
@@ -84,7 +83,9 @@ def test_metrics_summary_and_oracle_stay_below_the_runner():
 
 
 def _names() -> set[str]:
-    methods = {yaml.safe_load(p.read_text())["name"] for p in (ROOT / "conf" / "method").glob("*.yaml")}
+    from bench.method_settings import METHODS
+
+    methods = set(METHODS)
     from hydra.utils import get_class
 
     import backends
@@ -152,10 +153,11 @@ def test_http_goes_through_serving_only():
 
 
 def test_no_adapter_writes_a_method_knobs_default_again():
-    """A method knob's default is written once, in conf/method/<name>.yaml; adapters read knobs
-    through bench.methods.knobs, never `method.get("min_ngram", 1)` with a default of their own."""
-    names = {k for p in (ROOT / "conf" / "method").glob("*.yaml") for k in yaml.safe_load(p.read_text())} - {
-        "name", "speculative", "drafter"}
+    """A method knob's default is written once, in its typed node (bench/method_settings.py); adapters
+    read knobs through bench.methods.knobs, never `method.get("min_ngram", 1)` with a default of their own."""
+    from bench.method_settings import method_defaults_table
+
+    names = {k for d in method_defaults_table().values() for k in d} - {"name", "speculative", "drafter"}
     allowed: set = set()
     found = []
     for path in modules("backends"):

@@ -90,20 +90,21 @@ def test_every_method_declares_its_drafter_and_the_harness_reads_it_not_the_name
     assert LLAMA31_8B_H100.draft("p_eagle") is LLAMA31_8B_H100.default_neural
     # a config's own declaration wins over its name
     assert drafter_kind({"name": "ngram", "drafter": "model"}) == "model"
-    with pytest.raises(ValueError, match=r"'medusa' has no conf/method/medusa.yaml .*--drafter-kind medusa=KIND"):
+    with pytest.raises(ValueError, match=r"'medusa' is not one of specsweep's methods .*--drafter-kind medusa=KIND"):
         drafter_kind("medusa")
     cfg = _cfg("method.drafter=neural")
     with pytest.raises(ConfigError, match=r"method.drafter='neural' \(method ngram\).*none, lookup, model, head"):
         validate(cfg)
 
 
-def test_a_methods_yaml_is_its_schema_read_from_the_files(tmp_path, monkeypatch):
-    import shutil
+def test_a_methods_typed_node_is_its_schema(tmp_path):
+    import dataclasses
 
     import bench.methods as m
+    from bench.method_settings import METHODS
 
     for name, keys in m.method_schemas().items():
-        assert keys == list(OmegaConf.load(m.METHOD_DIR / f"{name}.yaml"))
+        assert keys == [f.name for f in dataclasses.fields(METHODS[name])]
     with pytest.raises(ConfigError, match=r"method.min_ngramm is not a knob of method ngram .*did you mean min_ngram\?"
                                           r".*valid for ngram: name, speculative, drafter, min_ngram, max_ngram"):
         validate(_cfg("method=ngram", "++method.min_ngramm=2"))
@@ -114,17 +115,36 @@ def test_a_methods_yaml_is_its_schema_read_from_the_files(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match=r"method.max_ngramm is not a knob of method adaptive .*valid for adaptive: "
                                           r"name, .*policy.*, and the knobs of the methods it drafts with"):
         validate(_cfg("method=adaptive", "++method.max_ngramm=2"))
-    # a method added as a file is known by its file alone
-    shutil.copy(m.METHOD_DIR / "ngram.yaml", tmp_path / "ngram.yaml")
-    (tmp_path / "toy.yaml").write_text("name: toy\nspeculative: true\ndrafter: lookup\nalpha: 0.5\n")
-    monkeypatch.setattr(m, "METHOD_DIR", tmp_path)
-    m._method_configs.cache_clear()
-    try:
-        assert m.method_schemas()["toy"] == ["name", "speculative", "drafter", "alpha"]
-        assert m.split_method_keys({"name": "ngram", "alpha": 2}) == (["alpha"], [])
-    finally:
-        monkeypatch.undo()
-        m._method_configs.cache_clear()
+    # a knob's type is the node's: refused as the sweep is composed, naming the key
+    with pytest.raises(Exception, match=r"min_ngram"):
+        _cfg("method=ngram", "method.min_ngram=three")
+    # a method that is not specsweep's (a user's own config file) has no schema to check against
+    assert m.split_method_keys({"name": "toy", "alpha": 2}) == ([], [])
+
+
+def test_no_method_default_is_written_twice():
+    """Every knob's default is declared once: a knob two methods share is one mixin field (the same
+    class attribute), never two fields that could drift apart."""
+    import dataclasses
+
+    from bench.method_settings import METHODS, Method
+
+    declared: dict[tuple[str, str], type] = {}
+    for node in METHODS.values():
+        for f in dataclasses.fields(node):
+            if f.name in ("name", "speculative", "drafter"):
+                continue
+            owner = next(c for c in node.__mro__ if f.name in c.__dict__.get("__annotations__", {}))
+            declared.setdefault((f.name, owner.__name__), owner)
+    by_name: dict[str, list[str]] = {}
+    for (name, owner), _ in declared.items():
+        by_name.setdefault(name, []).append(owner)
+    # the same knob name declared in two classes is a second default, unless they are two engines' own
+    # settings that merely share a name: llama-server's --spec-ngram-min-hits and llama-cpp-python's
+    # max_ngram_size (default 2) are not specsweep's lookup's min_hits and max_ngram (default 3)
+    twice = {n: sorted(o) for n, o in by_name.items() if len(o) > 1}
+    assert twice == {"max_ngram": ["NgramKnobs", "PromptLookupLib"], "min_hits": ["LlamaMapKnobs", "NgramKnobs"]}, twice
+    assert Method().speculative is True and all(n == cls().name for n, cls in METHODS.items())
 
 
 def _adapter_configs():

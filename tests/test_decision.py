@@ -52,7 +52,7 @@ def test_engine_config_is_each_adapters_own_mapping():
     assert LlamaServerBackend.engine_config(NGRAM, None) == ["--spec-type", "none"]
     assert NativeBackend.engine_config(NGRAM, 4) == ["backend=native", "method=ngram", "num_speculative_tokens=4"]
     assert NativeBackend.engine_config({**NGRAM, "max_ngram": 5, "prefer_recent": False}, 2)[3:] == [
-        "method.max_ngram=5", "method.prefer_recent=false"]  # knobs that differ from conf/method/ngram.yaml
+        "method.max_ngram=5", "method.prefer_recent=false"]  # knobs that differ from ngram's defaults
     assert NativeBackend.engine_config(NGRAM, None) == ["backend=native", "method=autoregressive"]
     with pytest.raises(ValueError, match="needs method.draft_path"):
         VLLMBackend.engine_config({"name": "draft_model"}, 3)

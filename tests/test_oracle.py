@@ -186,7 +186,7 @@ def test_a_trace_method_without_a_config_needs_its_drafter_kind_declared(tmp_pat
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bench.oracle", str(f), "--batch-sizes", "1", "--requests", "6", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "'medusa' has no conf/method/medusa.yaml" in r.stderr and "--drafter-kind" in r.stderr
+    assert r.returncode == 2 and "'medusa' is not one of specsweep's methods" in r.stderr and "--drafter-kind" in r.stderr
     r = subprocess.run(cmd + ["--drafter-kind", "medusa=head"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert set(pd.read_parquet(out / "oracle.parquet").policy) >= {"fallback:ngram+medusa:3", "combined:ngram+medusa"}

@@ -1,5 +1,7 @@
 """Workload loaders and their errors."""
+import inspect
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,8 +77,26 @@ def test_num_prompts_must_be_positive():
         load_prompts("chat", 0, seed=0)
 
 
-def test_every_workload_has_a_config(tmp_path):
-    from pathlib import Path
+def test_every_workload_has_a_typed_node_whose_defaults_its_prompts_use():
+    import dataclasses
 
-    conf = Path(__file__).resolve().parent.parent / "conf" / "workload"
-    assert {p.stem for p in conf.glob("*.yaml")} == set(WORKLOADS)
+    from hydra import compose, initialize_config_dir
+
+    from workloads import WORKLOAD_SETTINGS
+    from workloads.sources import resolved_settings
+
+    assert set(WORKLOAD_SETTINGS) == set(WORKLOADS)
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        for name, node in WORKLOAD_SETTINGS.items():
+            cfg = compose("config", overrides=[f"workload={name}"])
+            assert [k for k in cfg.workload] == [f.name for f in dataclasses.fields(node)]
+        with pytest.raises(Exception, match="max_lines"):  # a setting's type is the node's
+            compose("config", overrides=["workload=code_edit", "workload.max_lines=many"])
+    # the function is given the node's defaults (written nowhere else), overridden by the job's
+    assert resolved_settings("code_edit", {}) == {"min_lines": 8, "max_lines": 30}
+    assert resolved_settings("code_edit", {"max_lines": 12, "passages": 3}) == {"min_lines": 8, "max_lines": 12}
+    for name, fn in WORKLOADS.items():  # no default of the function's own, no catch-all **kwargs
+        params = list(inspect.signature(fn).parameters.values())[2:]
+        assert all(p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in params), name
+        assert [p.name for p in params] == [f.name for f in dataclasses.fields(WORKLOAD_SETTINGS[name])][1:], name

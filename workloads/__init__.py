@@ -3,6 +3,7 @@ deterministic choice of prompts for a workload; each workload applies its own pr
 (the default model is a base model: plain-text completion prompts, no chat template)."""
 from __future__ import annotations
 
-from .sources import WORKLOADS, Prompt, WorkloadError, WorkloadUnavailable, load_prompts
+from .sources import WORKLOAD_SETTINGS, WORKLOADS, Prompt, Workload, WorkloadError, WorkloadUnavailable, load_prompts
 
-__all__ = ["WORKLOADS", "Prompt", "WorkloadError", "WorkloadUnavailable", "load_prompts"]
+__all__ = ["WORKLOAD_SETTINGS", "WORKLOADS", "Prompt", "Workload", "WorkloadError", "WorkloadUnavailable",
+           "load_prompts"]

@@ -9,6 +9,7 @@ characters with the engine's tokenizer), so lengths mean the same on every engin
 without long context, or a length its context cannot reach, is refused with what can."""
 from __future__ import annotations
 
+import inspect
 import random
 import sysconfig
 from dataclasses import replace
@@ -48,7 +49,7 @@ def _files(first: str, sources: list[tuple[str, str]], seed: int, limit: int) ->
     return "".join(parts)
 
 
-def long_code_edit(num_prompts, seed, chars, min_lines=8, max_lines=30, **_):
+def long_code_edit(num_prompts, seed, chars, min_lines, max_lines):
     """code_edit with its function's whole module and more standard-library modules before it:
     the model reads a long file, then edits one function of it."""
     funcs = _choose(_stdlib_functions(min_lines, max_lines), num_prompts, seed, "code_edit stdlib functions")
@@ -76,7 +77,7 @@ def _topics_text(first: str, topics: dict[str, str], seed: int, limit: int, numb
     return "".join(parts)
 
 
-def long_summarization(num_prompts, seed, chars, **_):
+def long_summarization(num_prompts, seed, chars):
     """summarization of a long document: its language-reference section, then more sections."""
     topics = _pydoc_topics()
     chosen = _choose(sorted(topics), num_prompts, seed, "summarization pydoc topics")
@@ -85,7 +86,7 @@ def long_summarization(num_prompts, seed, chars, **_):
                    context=_topics_text(t, topics, seed + i, chars), tail=tail) for i, t in enumerate(chosen)]
 
 
-def long_rag(num_prompts, seed, chars, max_chars=700, **_):
+def long_rag(num_prompts, seed, chars, max_chars):
     """rag with many retrieved passages: the question is about passage [1], which comes first (cut
     to max_chars, as rag's passages are); the others are the long context."""
     topics = _pydoc_topics()
@@ -115,7 +116,10 @@ def long_prompts(name: str, num_prompts: int, seed: int, prompt_tokens: int, **p
                             f"workloads with one: " + "; ".join(f"{w} ({src})" for w, src in SOURCES.items())
                             + "; or leave prompt_tokens unset (null) for the workload's own lengths")
     want = int(prompt_tokens * 8)  # characters to gather: more than any tokenizer needs for that many tokens
-    prompts = LONG_CONTEXT[name](num_prompts, seed, want, **params)
+    # the workload's settings that still apply to a long prompt (a section's max_chars does not: the
+    # whole document is the context)
+    wanted = inspect.signature(LONG_CONTEXT[name]).parameters
+    prompts = LONG_CONTEXT[name](num_prompts, seed, want, **{k: v for k, v in params.items() if k in wanted})
     short = min(len(p.head) + len(p.context) + len(p.tail) for p in prompts)
     if short < prompt_tokens * CHARS_PER_TOKEN_MIN:
         raise WorkloadError(f"prompt_tokens={prompt_tokens}: workload {name} holds at most {short} characters of "

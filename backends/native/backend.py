@@ -227,7 +227,7 @@ class NativeBackend(Backend):
                     f"{dtok.get_vocab_size()}), the target {self.args.vocab_size} (tokenizer "
                     f"{self.tokenizer.get_vocab_size()}); a draft model must share the target's tokenizer")
             return ModelDrafter(draft, k, f"draft model {m['draft_path']}{vocab_note}", vocab)
-        L = knobs("draft_model", m)["draft_layers"]  # conf/method/draft_model.yaml's, unless the job sets it
+        L = knobs("draft_model", m)["draft_layers"]  # draft_model's default, unless the job sets it
         label = f"derived from target: its first {L} of {n_layers} layers + its output head (untrained){vocab_note}"
         return ModelDrafter(self.model.truncated(L), k, label, vocab)
 

@@ -76,7 +76,7 @@ class NoDrafter(Drafter):
 
 
 def ngram_drafter(method: dict, k: int) -> "NgramDrafter":
-    """The n-gram drafter of a method config (its knobs from conf/method/ngram.yaml unless the job
+    """The n-gram drafter of a method config (its knobs from ngram's typed node unless the job
     sets them): the one factory the native engine and the llama.cpp worker both build it with."""
     n = knobs("ngram", method)
     return NgramDrafter(k, n["min_ngram"], n["max_ngram"], n["prefer_recent"], n["min_hits"])

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
                     help="set: B different requests per batch (default); repeat: one request repeated B times, the "
                          "published methodology (use it to reproduce published numbers)")
     ap.add_argument("--drafter-kind", nargs="+", default=[], metavar="NAME=KIND",
-                    help="the drafter kind of a trace's method that has no conf/method file (e.g. medusa=head); "
+                    help="the drafter kind of a trace's method that is not one of specsweep's (e.g. medusa=head); "
                          "kinds: none, lookup, model, head, layers, mixed (bench/methods.py)")
     ap.add_argument("--neural-draft-charge", choices=["cycle", "step", "both"],
                     help="charge a neural draft once per cycle (the published constants) or per head step (k "
