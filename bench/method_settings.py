@@ -41,6 +41,11 @@ class DraftLayersKnob:
 
 
 @dataclass
+class DraftPathKnob:
+    draft_path: str | None = None  # a .gguf file or a Hugging Face folder; null: derived from the target
+
+
+@dataclass
 class DraftVocabKnob:
     draft_vocab: int | None = None  # draft over the first N token ids only (cheaper head); null = full vocabulary
 
@@ -75,13 +80,12 @@ class Ngram(NgramKnobs, Method):
 
 
 @dataclass
-class DraftModel(DraftVocabKnob, DraftLayersKnob, Method):
+class DraftModel(DraftVocabKnob, DraftLayersKnob, DraftPathKnob, Method):
     """A draft model sharing the target's tokenizer. With draft_path null the draft is derived from
     the target: its first draft_layers layers plus its output head (an untrained early exit),
     labelled as such in results."""
     name: str = "draft_model"
     drafter: str = "model"
-    draft_path: str | None = None  # a .gguf file or a Hugging Face folder; null: derived from the target
 
 
 @dataclass

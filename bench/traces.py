@@ -23,7 +23,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from .backend import instantiate_backend
-from .methods import drafter_kind
+from .methods import drafter_kind, known_methods, method_defaults
 from .ngram import acceptance_lengths_from_chains, acceptance_lengths_from_predictions, lookup_trace
 
 NGRAM_KEYS = ("min_ngram", "max_ngram", "prefer_recent", "min_hits")
@@ -68,11 +68,9 @@ def cycle_draft_probs(probs, k: int, chains: bool) -> list[list[float]]:
 def method_config(name: str, job_cfg) -> dict:
     """The method's config as its typed node declares it, with the job's own values when the job
     ran that method."""
-    conf = Path(__file__).resolve().parent.parent / "conf" / "method" / f"{name}.yaml"
-    if not conf.exists():
-        valid = sorted(p.stem for p in conf.parent.glob("*.yaml"))
-        raise ValueError(f"unknown method {name!r}; valid: {', '.join(valid)}")
-    m = OmegaConf.to_container(OmegaConf.load(conf))
+    m = method_defaults(name)
+    if not m:
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(sorted(known_methods()))}")
     if job_cfg.method.name == name:
         m.update(OmegaConf.to_container(job_cfg.method))
     return m
