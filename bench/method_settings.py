@@ -226,6 +226,9 @@ class Synthetic(Method):
     # per position j: P(first j drafts all accepted), non-increasing; at least k entries
     acceptance_rates: list[float] | None = None
     acceptance_rate: float = 0.7  # when acceptance_rates is null: each position given the one before (r, r^2, ...)
+    # a speculation_profile.json (any specsweep job that drafted writes one; Model-Optimizer's schema
+    # 1.0): its marginal_accept_rates are forced, over acceptance_rates and acceptance_rate
+    profile_path: str | None = None
 
 
 # The registry: every method a sweep can name (`method=NAME`), in the order the docs list them.

@@ -164,7 +164,12 @@ def synthetic_rates(method, k: int) -> list[float]:
     `synthetic_acceptance_rates`, llama-server's `--spec-synth-rates`). From
     `method.acceptance_rates` (in [0, 1], non-increasing, at least k entries: the first k are
     used) or, when that is null, `method.acceptance_rate` r: every position accepted with
-    probability r given the one before it, i.e. r, r^2, ..., r^k."""
+    probability r given the one before it, i.e. r, r^2, ..., r^k; `method.profile_path` (a
+    speculation_profile.json) wins over both: its first k marginal rates."""
+    if method.get("profile_path"):
+        from .speculation_profile import marginal_rates
+
+        return marginal_rates(method["profile_path"], k)
     rates, r = method.get("acceptance_rates"), method.get("acceptance_rate")
     if rates is None:
         if r is None or isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from workloads import WorkloadError, WorkloadUnavailable
 
-from . import environment, load, metrics
+from . import environment, load, metrics, speculation_profile
 from .backend import Backend, BackendError, EngineTimeout, SettingError, instantiate_backend
 from .config import ConfigError
 from .jobspec import JobSpec
@@ -31,7 +31,8 @@ from .results import (MANIFEST, JobKey, build_index, incomplete_reason, is_compl
 from .summary import checked_row
 
 log = logging.getLogger("specsweep")
-JOB_FILES = ("config.yaml", "summary.json", "requests.parquet", "cycles.parquet", "steps.parquet", "traceback.txt")
+JOB_FILES = ("config.yaml", "summary.json", "requests.parquet", "cycles.parquet", "steps.parquet", "traceback.txt",
+             speculation_profile.FILENAME)
 
 
 def _key_row(c: dict) -> dict:
@@ -71,6 +72,7 @@ def run_job(cfg: DictConfig, progress_factory=None) -> dict:
                package_versions=env_start["packages"], env=env_start)
     row = checked_row(row)  # every column declared in bench/summary.py, in its order
     write_json(jdir / "summary.json", row)
+    speculation_profile.write(jdir, row, c)  # its per-position acceptance, portable (when it drafted)
     write_manifest(jdir, JOB_FILES)
     build_index(job.root)
     return row
