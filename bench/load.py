@@ -265,6 +265,9 @@ def crossover(rows: pd.DataFrame, metric: str = "tpot_speedup") -> pd.DataFrame:
     out = []
     keys = [k for k in ("backend", "method", "workload", "load_kind") if k in rows.columns]
     for key, g in rows[rows.load_kind != "static"].groupby(keys):
+        g = g[pd.to_numeric(g[metric], errors="coerce").notna()] if metric in g else g.iloc[:0]
+        if g.empty:  # no level with the metric (a run imported without its baseline): nothing to say
+            continue
         g = g.sort_values("load_level")
         low = g[f"{metric}_low"] if f"{metric}_low" in g else pd.Series(math.nan, index=g.index)
         high = g[f"{metric}_high"] if f"{metric}_high" in g else pd.Series(math.nan, index=g.index)

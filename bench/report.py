@@ -24,7 +24,7 @@ from . import lengths_report  # noqa: E402
 from .html_report import write_html
 from .methods import speculative_rows
 from .results import find_sweep_dirs, load_summaries
-from .summary import REPORT_COLUMNS
+from .summary import REPORT_COLUMNS, JobSummary
 
 SLOW_BASELINE = 0.5  # a baseline below half its roofline: its speedups may come from the slow baseline
 PROBE_SPREAD = 0.25  # bandwidth probes of one job further apart than this: the roofline itself moved
@@ -289,6 +289,8 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     df = load_summaries(sweep_dir)
     if df.empty:
         raise FileNotFoundError(f"{sweep_dir}: no job results (*/summary.json) found")
+    # a column no row wrote (rows imported from another tool's file hold no cycle trace) is empty, not missing
+    df = df.assign(**{c: None for c in JobSummary.names() if c not in df.columns})
     controls = _controls(df)
     df = df[~_is_control(df)]  # every table and plot below is of the methods; the controls get their own section
     made = [p for p in (f(df, out) for f in PLOTS) if p is not None] if len(df) else []
@@ -302,6 +304,11 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
              "requests and batches (paired: batch by batch, interleaved; 95% cluster-bootstrap interval over the "
              "pairs). Every metric's definition, and which engine field it comes from: docs/metrics.md.", "",
              markdown_table(d, REPORT_COLUMNS), ""]
+    imported = df[df.imported_from.notna()] if "imported_from" in df else df.iloc[:0]
+    if len(imported):  # another tool measured these: say so before any figure of theirs is read as paired
+        lines += [f"{len(imported)} of these jobs were read from other tools' result files by specsweep-import "
+                  "(`imported_from` names each tool and file): their arms were measured by that tool, one run each, "
+                  "not paired and interleaved, so they carry no interval; what a file did not hold is empty.", ""]
     lines += controls_markdown(controls)
     lines += load_markdown(df)
     lines += lengths_report.lengths_markdown(df)

@@ -62,6 +62,7 @@ class JobSummary(JobKey):
     error_kind: str = col("config (a bad value found while the job was set up), engine (the engine failed) or internal (a bug in measuring)", ERRORS)
     traceback: str = col("the file holding the failure's traceback")
     method_ignored_keys: list = col("knobs of other methods in a multi-method sweep, not passed to this one")
+    imported_from: str = col("a row read by specsweep-import: the tool and file it came from, and what the file did not hold")
     # --- the engine --------------------------------------------------------------------------------
     baseline_from: str = col("this job (paired) or the shared baseline's folder it reused")
     baseline_id: str = col("the shared baseline measurement's identity (a re-measured one gets a new id)")
