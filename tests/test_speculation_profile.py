@@ -91,6 +91,7 @@ def _specsweep(*args):
                           text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
+@pytest.mark.full  # three sweeps (about 25 s); the quick tier covers the module with the tests above
 def test_a_profile_written_by_one_run_reproduces_its_acceptance_when_forced_in_another(tmp_path, tiny_llama):
     common = [f"results_dir={tmp_path}", "model=local", f"model.path={tiny_llama}", "workload=chat", "num_prompts=8",
               "batch_size=8", "max_new_tokens=200", "repeats=1", "report=false", "num_speculative_tokens=3",
