@@ -167,6 +167,11 @@ class OpenAIEndpointBackend(Backend):
             delta = counter_delta(before, e.counters())
             self._check_k(e, delta)
             sc = spec_counters(delta, e.counter_names, self.k)
+        own = [r.spec_counters for r in reqs]
+        if spec and own and all(c is not None for c in own):
+            # each response's own acceptance (a vLLM server run with --per-request-spec-decode-metrics):
+            # no other client's request enters it; the /metrics deltas become the cross-check
+            return BatchOutput(reqs, wall, None, spec_counters=sum(own[1:], own[0]), aggregate_counters=sc)
         return BatchOutput(reqs, wall, None, spec_counters=sc)
 
     def _check_k(self, e: Endpoint, delta: dict) -> None:

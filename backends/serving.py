@@ -75,8 +75,11 @@ def request_body(protocol: str, q: Request) -> dict:
                 "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed, "return_tokens": True, "cache_prompt": False,
                 **past_eos}
     if protocol == "openai_stream":
+        # include_usage: the final chunk (no choices) carries the usage and, from a vLLM server run with
+        # --per-request-spec-decode-metrics, the request's own acceptance (metrics.speculative_decoding)
         return {"model": q.model, "prompt": list(q.prompt), "max_tokens": q.max_new_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": top_k, "seed": s.seed, "stream": True, "return_token_ids": True, **past_eos}
+                "top_p": s.top_p, "top_k": top_k, "seed": s.seed, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, **past_eos}
     params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": top_k,
               "sampling_seed": s.seed, **past_eos}
     body = {"input_ids": list(q.prompt), "sampling_params": params}
@@ -104,23 +107,41 @@ async def llama_completion(client, q: Request) -> RequestOutput:
                          accepted=t.get("draft_n_accepted", 0) if spec else None)
 
 
+def vllm_request_counts(block: dict, k: int) -> SpecCounters:
+    """One finished vLLM request's own acceptance (the `metrics.speculative_decoding` block of a
+    server run with --per-request-spec-decode-metrics): verify steps (num_spec_steps), draft and
+    accepted draft tokens, and accepted per draft position from acceptance_histogram (index j: the
+    steps that accepted exactly j drafts)."""
+    hist = [int(n) for n in block.get("acceptance_histogram") or []]
+    per_pos = [sum(hist[i + 1:]) for i in range(k)] if hist else []
+    return SpecCounters(int(block.get("num_spec_steps") or 0), int(block.get("num_draft_tokens") or 0),
+                        int(block.get("num_accepted_draft_tokens") or 0), per_pos)
+
+
 async def openai_stream(client, q: Request) -> RequestOutput:
-    """/v1/completions, streamed, with return_token_ids (vLLM): every chunk stamped on arrival."""
-    ids, times, finish = [], [], None
+    """/v1/completions, streamed, with return_token_ids (vLLM): every chunk stamped on arrival; the
+    final usage chunk's per-request acceptance, where the server returns it, as the request's own
+    acceptance record."""
+    ids, times, finish, spec = [], [], None, None
     async with client.stream("POST", q.url + "/v1/completions", json=request_body("openai_stream", q),
                              timeout=q.timeout_s) as r:
         await _check(r, "/v1/completions", "the OpenAI-compatible server")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
-            if choice.get("token_ids"):
-                ids += choice["token_ids"]
-                times.append(time.perf_counter() - q.t0)
-            finish = choice.get("finish_reason") or finish
+            d = json.loads(line[6:])
+            spec = ((d.get("metrics") or {}).get("speculative_decoding")) or spec
+            for choice in d.get("choices") or []:  # the usage chunk has none
+                if choice.get("token_ids"):
+                    ids += choice["token_ids"]
+                    times.append(time.perf_counter() - q.t0)
+                finish = choice.get("finish_reason") or finish
     if not times:
         raise BackendError(f"the server at {q.url} streamed no tokens for a prompt of {len(q.prompt)} tokens")
-    return RequestOutput(ids, times[0], times[-1], times, finished_by=_finished_by(finish))
+    counts = vllm_request_counts(spec, q.k) if spec and q.k else None
+    return RequestOutput(ids, times[0], times[-1], times, finished_by=_finished_by(finish),
+                         drafted=counts.draft_tokens if counts else None,
+                         accepted=counts.accepted_tokens if counts else None, spec_counters=counts)
 
 
 def sglang_request_counts(meta: dict, k: int) -> SpecCounters:

@@ -7,14 +7,21 @@ The same engines and metrics as offline mode (backends/vllm.py): one server per 
 speculative config) kept for the sweep process, the baseline being the same server without
 --speculative-config. A batch is its requests sent concurrently to /v1/completions as token ids,
 streamed with return_token_ids (backends/serving.py's openai_stream), so TTFT and the times
-between chunks are the client's own. Acceptance comes from /metrics counter deltas around each
-batch (serving.read_counters, prometheus-client's text parser) (vllm:spec_decode_num_drafts_total, ..._num_draft_tokens_total,
-..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position}), summed over
-the other labels. The draft/verify split comes from the same timing plugin, which vLLM loads in
+between chunks are the client's own. Acceptance comes from each response's own counts where the
+server returns them (a speculative server is started with --per-request-spec-decode-metrics
+summary where its vLLM has it: the final usage chunk's metrics.speculative_decoding), which no
+other client's request can enter; the /metrics counter deltas around each batch
+(serving.read_counters, prometheus-client's text parser: vllm:spec_decode_num_drafts_total,
+..._num_draft_tokens_total, ..._num_accepted_tokens_total,
+..._num_accepted_tokens_per_pos_total{position}, summed over the other labels) are then a
+cross-check (the row's acceptance_cross_check), and the source where a vLLM returns no
+per-request counts. The draft/verify split comes from the same timing plugin, which vLLM loads in
 the server's engine process.
 """
 from __future__ import annotations
 
+import subprocess
+from functools import lru_cache
 from pathlib import Path
 
 from bench.backend import BatchOutput, LoadPlan, Sampling
@@ -27,6 +34,17 @@ def spec_counters_from_metrics(text: str) -> dict:
     """The speculative counters of a /metrics page, in the shape offline mode reads them from
     LLM.get_metrics() (name without _total -> value, the per-position counter as a list)."""
     return {name.removesuffix("_total"): v for name, v in read_counters(text, VLLM_COUNTERS.names()).items()}
+
+
+@lru_cache(maxsize=None)
+def returns_request_acceptance(python: str) -> bool:
+    """Whether this vLLM's server takes --per-request-spec-decode-metrics (each response then
+    carries its own acceptance: vLLM 0.32 has it), read from its source without importing it."""
+    code = ("import importlib.util, pathlib; s = importlib.util.find_spec('vllm'); "
+            "p = pathlib.Path(s.submodule_search_locations[0]) / 'engine' / 'arg_utils.py'; "
+            "print('per_request_spec_decode_metrics' in p.read_text())")
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    return r.returncode == 0 and r.stdout.strip() == "True"
 
 
 class VLLMServer(ServerProcess):
@@ -47,6 +65,8 @@ class VLLMServerBackend(VLLMBackend):
     load_kinds = ("concurrency", "rate")  # vLLM's scheduler batches continuously
 
     def _start(self, kw: dict, log: Path) -> VLLMServer:
+        if "speculative_config" in kw and returns_request_acceptance(self.python):
+            kw = {**kw, "per_request_spec_decode_metrics": "summary"}  # each response's own acceptance
         return VLLMServer(self.python, kw, log, self.cfg.startup_timeout_s)
 
     def tokenize(self, text: str) -> list[int]:
@@ -66,12 +86,20 @@ class VLLMServerBackend(VLLMBackend):
         s.new_steps()
         before = s.counters() if spec else {}
         reqs, wall = serve_load("openai_stream", s.url, prompts, sampling, max_new_tokens, plan,
-                                self.cfg.request_timeout_s, "vLLM's server", s.log_tail, model=s.model)
+                                self.cfg.request_timeout_s, "vLLM's server", s.log_tail, model=s.model,
+                                k=self.k if spec else 0)
         if not spec:
             return BatchOutput(reqs, wall, None, steps=self._take_steps(s))
         after = s.counters()
+        delta = _delta(before, after, self.k)
+        own = [r.spec_counters for r in reqs]
+        if own and all(c is not None for c in own):
+            # each response's own acceptance, which no other client's request can enter; the /metrics
+            # deltas are kept beside it as a cross-check (bench.metrics.job.cross_check)
+            return BatchOutput(reqs, wall, None, counters={"before": before, "after": after},
+                               spec_counters=sum(own[1:], own[0]), aggregate_counters=delta, steps=self._take_steps(s))
         return BatchOutput(reqs, wall, None, counters={"before": before, "after": after},
-                           spec_counters=_delta(before, after, self.k), steps=self._take_steps(s))
+                           spec_counters=delta, steps=self._take_steps(s))
 
     def describe(self) -> dict:
         return {**super().describe(), "engine": "vllm (OpenAI-compatible server on 127.0.0.1)"}

@@ -84,6 +84,10 @@ class BatchOutput:
     cycles: list[dict] | None = None  # CYCLE_FIELDS per cycle and row; None if the engine has no trace
     counters: dict = field(default_factory=dict)  # raw engine counters, kept beside the metrics
     spec_counters: SpecCounters | None = None  # where there is no per-cycle trace
+    # When spec_counters are the requests' own (summed from each response), the engine's aggregate
+    # counters over the same batch (a server's /metrics deltas): compared with them, never used,
+    # since they also count any other client's requests the server served meanwhile.
+    aggregate_counters: SpecCounters | None = None
     # Where there is no per-cycle trace but the engine's steps are timed inside it (vLLM through
     # specsweep's plugin): one dict per engine step with t_draft, t_verify, t_other (as in a cycle),
     # rows, tokens, spec_tokens (draft tokens verified in it) and decode (every row decoding).

@@ -67,14 +67,16 @@ class Measurement:
         return pd.DataFrame([{"run": self.kind, "repeat": rep, "batch": bi, **st}
                              for rep, bi, _, out in self.runs for st in out.steps or []])
 
-    def counters(self) -> SpecCounters | None:
-        """The engine's own acceptance counters summed over the runs (engines without a trace)."""
-        got = [o.spec_counters for _, _, _, o in self.runs if o.spec_counters is not None]
+    def counters(self, field: str = "spec_counters") -> SpecCounters | None:
+        """The engine's own acceptance counters summed over the runs (engines without a trace); with
+        field="aggregate_counters", the aggregate ones kept beside per-request counters."""
+        got = [getattr(o, field) for _, _, _, o in self.runs if getattr(o, field) is not None]
         return sum(got[1:], got[0]) if got else None
 
     def record(self, prompts, prompt_ids, backend: Backend) -> "ArmRecord":
         req, cyc = self.tables(prompts, prompt_ids, backend)
-        return ArmRecord(req, cyc, self.steps_table(), self.batch_table(), self.counters())
+        return ArmRecord(req, cyc, self.steps_table(), self.batch_table(), self.counters(),
+                         self.counters("aggregate_counters"))
 
 
 def request_record(q, contract: dict, n_prompt: int) -> dict:
@@ -118,6 +120,7 @@ class ArmRecord:
     steps: pd.DataFrame
     batches: list[dict]
     counters: SpecCounters | None = None
+    aggregate_counters: SpecCounters | None = None  # the engine's aggregate counters, beside per-request ones
 
 
 @dataclass

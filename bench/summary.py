@@ -139,6 +139,7 @@ class JobSummary(JobKey):
     per_position_basis: str = col("the per-position denominator used: drafts that reached the position, or all drafts", ACCEPT)
     acceptance_counts: dict = col("the raw acceptance record (drafts, draft and accepted tokens, per-position counts)", ACCEPT)
     engine_counters: dict = col("the engine's own speculative counters, summed over runs (engines without a cycle trace)")
+    acceptance_cross_check: str = col("servers that return each request's acceptance: whether the responses' own counts equal the server's /metrics deltas (they differ when another client used the server meanwhile; the row reports the responses')", ACCEPT)
     request_acceptance_mean: float = col("alpha per request, mean over requests", ACCEPT)
     request_acceptance_p10: float = col("alpha per request, 10th percentile")
     request_acceptance_p50: float = col("alpha per request, median")

@@ -69,3 +69,20 @@ def test_a_server_that_never_answers_is_a_timeout_within_the_limit():
         with pytest.raises(EngineTimeout, match="vLLM's server gave no answer in time.*request_timeout_s"):
             send_batch("openai_stream", url, [[1, 2], [3, 4]], Sampling(), 4, 1.0, "vLLM's server", model="m")
         assert time.monotonic() - t0 < 10
+
+
+def test_a_vllm_responses_own_acceptance_block_and_its_cross_check_with_the_counters():
+    """vLLM's per-request block (the keys of its RequestSpecDecodeMetrics.to_dict, read from vLLM
+    0.32's v1/metrics/stats.py; the real server's is checked in test_vllm.py)."""
+    from backends.serving import vllm_request_counts
+    from bench.backend import SpecCounters
+    from bench.metrics.job import cross_check
+
+    block = {"mean_acceptance_length": 2.867, "draft_acceptance_rate": 0.6222, "acceptance_histogram": [8, 9, 9, 19],
+             "num_spec_steps": 45, "num_accepted_draft_tokens": 84, "num_draft_tokens": 135, "num_spec_tokens": 3}
+    c = vllm_request_counts(block, 3)
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (45, 135, 84)
+    assert c.accepted_per_position == [37, 28, 19] and sum(c.accepted_per_position) == c.accepted_tokens
+    assert cross_check(c, SpecCounters(45, 135, 84, [37, 28, 19])).startswith("match")
+    flagged = cross_check(c, SpecCounters(60, 180, 101, [50, 30, 21]))
+    assert flagged.startswith("differ") and "another client" in flagged and "135 in the responses, 180" in flagged

@@ -13,6 +13,7 @@ import pytest
 from backends.processes import Pool
 from backends.vllm import VLLMBackend, missing_for, speculative_config, vllm_python
 from bench.backend import Sampling, SettingError
+from bench.metrics.job import cross_check
 
 pytestmark = pytest.mark.slow
 ENGINE = {"gpu_memory_utilization": 0.05, "max_model_len": 512, "max_num_seqs": 4}
@@ -219,6 +220,11 @@ def test_server_mode_self_draft_matches_offline_and_stops_every_process(tiny64, 
     assert c.draft_tokens > 0 and c.accepted_tokens == c.draft_tokens == 3 * c.drafts
     assert c.accepted_per_position == [c.drafts] * 3
     assert all(0 < r.ttft_s <= r.e2e_s and len(r.emit_times_s) >= 1 for r in spec.requests)
+    # each response's own acceptance (--per-request-spec-decode-metrics), and /metrics agreeing with it
+    assert all(r.spec_counters is not None and r.spec_counters.drafts > 0 for r in spec.requests)
+    assert vars(spec.aggregate_counters) == vars(c), (spec.aggregate_counters, c)
+    assert cross_check(c, spec.aggregate_counters).startswith("match")
+    foreign_traffic_is_flagged_and_kept_out(b, ids)
     assert any(st["decode"] and st["t_draft"] > 0 for st in spec.steps)
     servers = list(Pool.live.values())
     assert len(servers) == 2 and all(s.url.startswith("http://127.0.0.1:") for s in servers)
@@ -227,6 +233,36 @@ def test_server_mode_self_draft_matches_offline_and_stops_every_process(tiny64, 
     for g in groups:
         with pytest.raises(ProcessLookupError):
             os.killpg(g, 0)  # neither the server nor its engine core is left
+
+
+def foreign_traffic_is_flagged_and_kept_out(b, ids):
+    """Another client using the speculative server during a measured batch: its requests enter the
+    /metrics deltas, not the responses' own counts, which the row reports; the cross-check says so."""
+    import threading
+
+    import httpx
+
+    url = next(s.url for key, s in Pool.live.items() if "speculative_config" in key)
+    stop = threading.Event()
+
+    def other_client():
+        with httpx.Client() as client:
+            while not stop.is_set():
+                client.post(url + "/v1/completions", json={"model": str(b.model_path), "prompt": TEXTS[0],
+                                                           "max_tokens": 24, "temperature": 0}, timeout=120)
+
+    t = threading.Thread(target=other_client, daemon=True)
+    t.start()
+    try:
+        got = b.generate(ids * 2, Sampling(), 48, speculative=True)
+    finally:
+        stop.set()
+        t.join(timeout=180)
+    own = got.spec_counters
+    assert vars(own) == vars(sum((r.spec_counters for r in got.requests[1:]), got.requests[0].spec_counters))
+    assert own.accepted_tokens == own.draft_tokens  # self-drafting: the responses' own counts stay exact
+    assert got.aggregate_counters.draft_tokens > own.draft_tokens
+    assert "another client" in cross_check(own, got.aggregate_counters)
 
 
 def test_server_mode_bad_speculative_config_is_a_clear_error(tiny64, tmp_path):

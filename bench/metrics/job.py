@@ -17,6 +17,7 @@ from . import (acceptance, batched_cycles, by_draft_source, counts_from_cycles, 
 from .position import by_output_bucket
 
 if TYPE_CHECKING:
+    from ..backend import SpecCounters
     from ..measure import ArmRecord, Measured
 
 
@@ -101,6 +102,8 @@ def counted_acceptance(spec: "ArmRecord", base: "ArmRecord", k: int) -> dict:
         return s
     s.update(acceptance(spec.counters, k))
     s["engine_counters"] = vars(spec.counters)
+    if spec.aggregate_counters is not None:
+        s["acceptance_cross_check"] = cross_check(spec.counters, spec.aggregate_counters)
     per = spec.requests.dropna(subset=["drafted"])
     if len(per):
         s.update(request_acceptance(per.astype({"drafted": float, "accepted": float})))
@@ -116,6 +119,20 @@ def counted_acceptance(spec: "ArmRecord", base: "ArmRecord", k: int) -> dict:
     plain = base.steps[base.steps.decode] if len(base.steps) else pd.DataFrame()
     s.update(cost_ratios(full, plain, k, s["acceptance_rate"]))
     return s
+
+
+def cross_check(own: SpecCounters, aggregate: SpecCounters) -> str:
+    """The requests' own acceptance record against the engine's aggregate counters over the same
+    batches: equal, or how far apart. The requests' own is what the row reports; an aggregate
+    counter that counted more also counted other clients' requests (foreign traffic)."""
+    pairs = (("drafts", own.drafts, aggregate.drafts), ("draft tokens", own.draft_tokens, aggregate.draft_tokens),
+             ("accepted tokens", own.accepted_tokens, aggregate.accepted_tokens))
+    apart = [f"{name} {a} in the responses, {b} in the counters" for name, a, b in pairs if a != b]
+    if not apart:
+        return "match: the responses' own counts equal the server's /metrics deltas"
+    more = aggregate.draft_tokens > own.draft_tokens
+    return ("differ: " + "; ".join(apart) + (": the server also served requests of another client meanwhile"
+                                              if more else "") + "; the row reports the responses' own counts")
 
 
 def cost_ratios(full: pd.DataFrame, plain: pd.DataFrame, k: int, alpha: float) -> dict:
