@@ -38,7 +38,7 @@ from .summary import checked_row
 TOOLS = ("vllm-bench", "aiperf", "guidellm", "spec-bench")
 
 
-class ImportError_(ValueError):
+class UnreadableResultFile(ValueError):
     """A file that cannot be read as the format it is taken for: names the file and what is wrong."""
 
 
@@ -235,7 +235,7 @@ def read_spec_bench(path: Path) -> list[Run]:
     for n, a in enumerate(answers, 1):
         choice = (a.get("choices") or [{}])[0]
         if "new_tokens" not in choice or "wall_time" not in choice:
-            raise ImportError_(f"{path}, line {n}: a Spec-Bench answer has choices[0].new_tokens and .wall_time")
+            raise UnreadableResultFile(f"{path}, line {n}: a Spec-Bench answer has choices[0].new_tokens and .wall_time")
         tokens += sum(choice["new_tokens"])
         wall += sum(choice["wall_time"])
         steps += [int(x) for x in choice.get("accept_lengths") or []]
@@ -258,7 +258,7 @@ READERS = {"vllm-bench": read_vllm_bench, "aiperf": read_aiperf, "guidellm": rea
 
 
 def detect(path: Path) -> str:
-    """Which tool wrote a file, from its keys; an ImportError_ naming the formats otherwise."""
+    """Which tool wrote a file, from its keys; an UnreadableResultFile naming the formats otherwise."""
     text = path.read_text(errors="replace")
     head = text.lstrip()[:1]
     try:
@@ -281,7 +281,7 @@ def detect(path: Path) -> str:
             return "vllm-bench"
         if "choices" in d and "question_id" in d:
             return "spec-bench"
-    raise ImportError_(f"{path}: not a result file of a known tool; known: vllm bench serve JSON, AIPerf "
+    raise UnreadableResultFile(f"{path}: not a result file of a known tool; known: vllm bench serve JSON, AIPerf "
                        "profile_export_aiperf.json, GuideLLM benchmarks.json, Spec-Bench answer JSONL "
                        "(or name it with --tool, one of " + ", ".join(TOOLS) + ")")
 
@@ -357,14 +357,14 @@ def read_runs(paths, tool: str | None) -> list[Run]:
     for p in paths:
         p = Path(p)
         if not p.is_file():
-            raise ImportError_(f"{p}: no such file")
+            raise UnreadableResultFile(f"{p}: no such file")
         name = tool or detect(p)
         try:
             runs += READERS[name](p)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            if isinstance(e, ImportError_):
+            if isinstance(e, UnreadableResultFile):
                 raise
-            raise ImportError_(f"{p}: not readable as {name} ({type(e).__name__}: {e})") from None
+            raise UnreadableResultFile(f"{p}: not readable as {name} ({type(e).__name__}: {e})") from None
     return runs
 
 
@@ -376,7 +376,7 @@ def import_files(paths, out: Path, a) -> list[dict]:
     runs, bases = read_runs(paths, a.tool), read_runs(a.baseline or [], a.tool)
     unknown = [r.source for r in runs + bases if r.temperature is None and a.temperature is None]
     if unknown:
-        raise ImportError_(f"{unknown[0]} does not record the sampling temperature; pass --temperature T (what the "
+        raise UnreadableResultFile(f"{unknown[0]} does not record the sampling temperature; pass --temperature T (what the "
                            "tool asked the server for; vllm bench serve sends none unless given --temperature, so "
                            "the server's default applies)")
     by_point = {(b.tool, b.load_kind, b.load_level): b for b in bases}  # a baseline of the same tool and load
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
         ap.error(f"--temperature={a.temperature}: use 0 (greedy) or a positive value")
     try:
         rows = import_files(a.files, Path(a.out), a)
-    except ImportError_ as e:
+    except UnreadableResultFile as e:
         print(f"specsweep-import: {e}", file=sys.stderr)
         return 2
     for r in rows:

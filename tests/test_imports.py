@@ -35,7 +35,7 @@ def test_each_format_is_recognized_from_its_keys(tmp_path):
     assert imports.detect(DATA / "guidellm_llama_c2.json") == "guidellm"
     other = tmp_path / "x.json"
     other.write_text(json.dumps({"hello": 1}))
-    with pytest.raises(imports.ImportError_, match=r"not a result file of a known tool; known: vllm bench serve JSON"):
+    with pytest.raises(imports.UnreadableResultFile, match=r"not a result file of a known tool; known: vllm bench serve JSON"):
         imports.detect(other)
 
 
