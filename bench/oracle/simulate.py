@@ -469,20 +469,9 @@ def run(trace_files, cost: CostModel, batch_sizes, accountings, policy_specs=Non
     return add_gap_closed(pd.DataFrame(rows))
 
 
-def _file_rows(f: str, cost: CostModel, batch_sizes, accountings, policy_specs, n_requests: int, batch_mode: str,
-               tune: bool, say_na: bool, lookups) -> tuple[list[dict], list[str]]:
-    """run's rows for one trace file, and the messages for its warn (none unless say_na: then a
-    policy n/a on the file is skipped and said, else it is an error)."""
-    from ..costmodel import neural_charge
-
-    messages = []
-    warn = messages.append if say_na else None
-    sim = _simulator(batch_mode)
-    rows = []
-    traces = load_traces(f)
-    dataset = Path(f).stem.removeprefix("combined_")
-    if warn is not None:
-        _warn_read_as_published(traces, dataset, warn)
+def _replay_lookups(traces, lookups, dataset: str, warn) -> None:
+    """Each lookup of `lookups` (method, knobs with k) recomputed from the traces' token ids into
+    their acceptance (recompute_lookup), and with warn, how well it agrees with the trace's own."""
     for method, knobs in lookups:
         knobs = dict(knobs)
         k = knobs.pop("k")
@@ -502,12 +491,36 @@ def _file_rows(f: str, cost: CostModel, batch_sizes, accountings, policy_specs, 
             warn(f"{dataset}: {what} from the token ids of {got['traces']} traces ({how}; position i drafted "
                  f"from {when}, the one that agrees more with {method}'s trace); {agrees} at {share} of "
                  f"{got['positions']} positions")
-    methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
+
+
+def _policies(traces, methods: list[str], policy_specs, batch_mode: str, dataset: str) -> list:
+    """The policies to simulate: those asked for, else the defaults (the published ones, then the
+    adaptive rules and the dp bound)."""
     pols = [Policy.parse(s) for s in policy_specs] if policy_specs else default_policies(methods)
     if not policy_specs and batch_mode == "repeat" and dataset in PUBLISHED_MATCH_PROB:
         pols += [RandMatch((m,), k) for m in methods if is_lookup(m) for k in (1, 3, 5)]
     if not policy_specs:  # the adaptive rules and the dp bound come after the published ones
         pols += adaptive_defaults(methods, conf_kmax=confidence_width(traces))
+    return pols
+
+
+def _file_rows(f: str, cost: CostModel, batch_sizes, accountings, policy_specs, n_requests: int, batch_mode: str,
+               tune: bool, say_na: bool, lookups) -> tuple[list[dict], list[str]]:
+    """run's rows for one trace file, and the messages for its warn (none unless say_na: then a
+    policy n/a on the file is skipped and said, else it is an error)."""
+    from ..costmodel import neural_charge
+
+    messages = []
+    warn = messages.append if say_na else None
+    sim = _simulator(batch_mode)
+    rows = []
+    traces = load_traces(f)
+    dataset = Path(f).stem.removeprefix("combined_")
+    if warn is not None:
+        _warn_read_as_published(traces, dataset, warn)
+    _replay_lookups(traces, lookups, dataset, warn)
+    methods = sorted({m for t in traces for m in t.acc}, key=lambda m: (not is_lookup(m), m))
+    pols = _policies(traces, methods, policy_specs, batch_mode, dataset)
     for pol in pols:
         _check_methods(traces, pol)
         lacking = lacking_signals(traces, pol)
