@@ -282,8 +282,8 @@ def detect(path: Path) -> str:
         if "choices" in d and "question_id" in d:
             return "spec-bench"
     raise UnreadableResultFile(f"{path}: not a result file of a known tool; known: vllm bench serve JSON, AIPerf "
-                       "profile_export_aiperf.json, GuideLLM benchmarks.json, Spec-Bench answer JSONL "
-                       "(or name it with --tool, one of " + ", ".join(TOOLS) + ")")
+                               "profile_export_aiperf.json, GuideLLM benchmarks.json, Spec-Bench answer JSONL "
+                               "(or name it with --tool, one of " + ", ".join(TOOLS) + ")")
 
 
 # ------------------------------------------------------------------ rows
