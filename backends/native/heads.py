@@ -211,51 +211,34 @@ def detect_kind(cfg: dict, state: dict) -> str:
                      f"(EAGLE-3); architectures={archs}")
 
 
-def load_head(path: str | Path, target, target_args: ModelArgs, expect: str, parallel: bool = False,
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> DraftHead:
-    """An EAGLE / EAGLE-3 / P-EAGLE head from a folder in its published layout. expect is the
-    method's kind ("eagle" or "eagle3"): a head of the other kind is an error, not a surprise."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir() or not (folder / "config.json").exists():
-        raise FileNotFoundError(f"draft head folder {str(path)!r} does not exist or has no config.json; pass a folder "
-                                "in the EAGLE / EAGLE-3 layout (config.json + weights), e.g. one written by "
-                                "specsweep-train-eagle")
-    cfg = json.loads((folder / "config.json").read_text())
-    state = _read_weights(folder)
-    kind = detect_kind(cfg, state)
-    if kind != expect:
-        raise ValueError(f"{folder} holds an {kind.upper()} head but the method asks for {expect}; use method={kind}")
-    args = _head_args(cfg, target_args)
-    n_layers = cfg.get("num_hidden_layers", 1)
-    if kind == "eagle3":
-        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        L = target_args.n_layers
-        capture = tuple(ids) if ids else (2, L // 2, L - 3)
-        bad = [i for i in capture if not 0 <= i <= L]
-        if bad:
-            raise ValueError(f"{folder}: eagle_aux_hidden_state_layer_ids {list(capture)} name layers outside the "
-                             f"target's 0..{L}")
-        target_dim = cfg.get("target_hidden_size") or target_args.dim
-    else:
-        capture, target_dim = ("norm",), target_args.dim
-    mask_id = None
-    if parallel:
-        for key in ("mask_token_id", "ptd_token_id", "pard_token"):
-            if cfg.get(key) is not None:
-                mask_id = int(cfg[key])
-                break
-        if kind != "eagle3" or mask_id is None or "mask_hidden" not in state:
-            raise ValueError(f"{folder} is not a P-EAGLE head: parallel drafting needs an EAGLE-3 head with a "
-                             "mask_hidden weight and mask_token_id (or ptd_token_id) in config.json")
-    if target_dim != target_args.dim:
-        raise ValueError(f"{folder} was built for a target with hidden size {target_dim}; this target has {target_args.dim}")
-    if args.vocab_size != target_args.vocab_size:
-        raise ValueError(f"{folder} was built for a vocabulary of {args.vocab_size}; this target has {target_args.vocab_size}")
-    with torch.device("meta"):
-        head = DraftHead(kind, args, n_layers, target_dim, capture, draft_vocab=cfg.get("draft_vocab_size"),
-                         fc_bias="fc.bias" in state, own_embed="embed_tokens.weight" in state, parallel=parallel,
-                         mask_token_id=mask_id)
-    head = head.to_empty(device="cpu")
+def _capture(cfg: dict, kind: str, target_args: ModelArgs, folder: Path) -> tuple[tuple, int]:
+    """Which target features the head reads (EAGLE-3: three hidden states, from its config or the
+    published default 2, L/2, L-3; EAGLE: the final norm's output) and the hidden size it was built for."""
+    if kind != "eagle3":
+        return ("norm",), target_args.dim
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    L = target_args.n_layers
+    capture = tuple(ids) if ids else (2, L // 2, L - 3)
+    bad = [i for i in capture if not 0 <= i <= L]
+    if bad:
+        raise ValueError(f"{folder}: eagle_aux_hidden_state_layer_ids {list(capture)} name layers outside the "
+                         f"target's 0..{L}")
+    return capture, cfg.get("target_hidden_size") or target_args.dim
+
+
+def _mask_token(cfg: dict, kind: str, state: dict, folder: Path) -> int:
+    """A P-EAGLE head's mask token (its config's mask_token_id, or the names other trainers use)."""
+    mask_id = next((int(cfg[key]) for key in ("mask_token_id", "ptd_token_id", "pard_token") if cfg.get(key) is not None),
+                   None)
+    if kind != "eagle3" or mask_id is None or "mask_hidden" not in state:
+        raise ValueError(f"{folder} is not a P-EAGLE head: parallel drafting needs an EAGLE-3 head with a "
+                         "mask_hidden weight and mask_token_id (or ptd_token_id) in config.json")
+    return mask_id
+
+
+def _own_names(state: dict, kind: str, n_layers: int, head: "DraftHead", target, folder: Path) -> dict:
+    """The published layout's weights under DraftHead's names (d2t as a full index map; an EAGLE-3
+    head without its own lm_head uses the target's)."""
     names = {"fc.weight": "fc.weight", "fc.bias": "fc.bias", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
              "embed_tokens.weight": "embed.weight", "mask_hidden": "mask_hidden"}
     for i in range(n_layers):
@@ -274,7 +257,38 @@ def load_head(path: str | Path, target, target_args: ModelArgs, expect: str, par
         mine["d2t"] = torch.arange(head.draft_vocab) + (d2t.long() if d2t is not None else 0)
         if "lm_head.weight" not in state:  # draft vocabulary = target vocabulary, projected by the target's head
             mine["lm_head.weight"] = target.output_weight.detach().clone()
-    missing = head.load_state_dict(mine, strict=False, assign=True).missing_keys
+    return mine
+
+
+def load_head(path: str | Path, target, target_args: ModelArgs, expect: str, parallel: bool = False,
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> DraftHead:
+    """An EAGLE / EAGLE-3 / P-EAGLE head from a folder in its published layout. expect is the
+    method's kind ("eagle" or "eagle3"): a head of the other kind is an error, not a surprise."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir() or not (folder / "config.json").exists():
+        raise FileNotFoundError(f"draft head folder {str(path)!r} does not exist or has no config.json; pass a folder "
+                                "in the EAGLE / EAGLE-3 layout (config.json + weights), e.g. one written by "
+                                "specsweep-train-eagle")
+    cfg = json.loads((folder / "config.json").read_text())
+    state = _read_weights(folder)
+    kind = detect_kind(cfg, state)
+    if kind != expect:
+        raise ValueError(f"{folder} holds an {kind.upper()} head but the method asks for {expect}; use method={kind}")
+    args = _head_args(cfg, target_args)
+    n_layers = cfg.get("num_hidden_layers", 1)
+    capture, target_dim = _capture(cfg, kind, target_args, folder)
+    mask_id = _mask_token(cfg, kind, state, folder) if parallel else None
+    if target_dim != target_args.dim:
+        raise ValueError(f"{folder} was built for a target with hidden size {target_dim}; this target has {target_args.dim}")
+    if args.vocab_size != target_args.vocab_size:
+        raise ValueError(f"{folder} was built for a vocabulary of {args.vocab_size}; this target has {target_args.vocab_size}")
+    with torch.device("meta"):
+        head = DraftHead(kind, args, n_layers, target_dim, capture, draft_vocab=cfg.get("draft_vocab_size"),
+                         fc_bias="fc.bias" in state, own_embed="embed_tokens.weight" in state, parallel=parallel,
+                         mask_token_id=mask_id)
+    head = head.to_empty(device="cpu")
+    missing = head.load_state_dict(_own_names(state, kind, n_layers, head, target, folder), strict=False,
+                                   assign=True).missing_keys
     if missing:
         raise ValueError(f"{folder}: weights missing for {missing[:5]}")
     head.inv_freq = rope_inv_freq(args, args.rope_theta)
