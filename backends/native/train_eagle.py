@@ -258,17 +258,9 @@ def eval_prompts(workloads, n: int) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
-    from functools import partial
-
-    from tqdm import tqdm
-
-    from .loading import DEFAULT_MODEL, load_model
-
-    progress = partial(tqdm, mininterval=5.0)  # readable in CI logs too
-
+def _parser(default_model: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsweep-train-eagle", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
+    ap.add_argument("--model", default=default_model, help=f"target model (default {default_model})")
     ap.add_argument("--parallel", action="store_true", help="train a P-EAGLE head (k tokens in one forward)")
     ap.add_argument("--out", help="output folder (default: where the eagle3 / p_eagle methods look for this model)")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="draft vocabulary size (default 32768)")
@@ -282,6 +274,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--eval-prompts", type=int, default=2, help="held-out prompts per workload for the acceptance check")
+    return ap
+
+
+def _checked_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The command line, each value checked before any model loads (argparse's exit 2 naming it)."""
     a = ap.parse_args(argv)
     for key in ("draft_vocab", "prompts_per_workload", "max_new_tokens", "depth", "max_steps"):
         if getattr(a, key) is not None and getattr(a, key) < 1:
@@ -293,6 +290,19 @@ def main(argv=None) -> int:
     bad = [w for w in a.workloads if w not in WORKLOADS or w == "jsonl"]
     if bad:
         ap.error(f"--workloads {bad} not valid; use built-in ones: {', '.join(w for w in WORKLOADS if w != 'jsonl')}")
+    return a
+
+
+def main(argv=None) -> int:
+    from functools import partial
+
+    from tqdm import tqdm
+
+    from .loading import DEFAULT_MODEL, load_model
+
+    progress = partial(tqdm, mininterval=5.0)  # readable in CI logs too
+
+    a = _checked_args(_parser(DEFAULT_MODEL), argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)

@@ -23,7 +23,7 @@ def _load_plotting() -> None:
     from .. import plotting  # noqa: F401  (matplotlib)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsweep-oracle", description="Replay acceptance traces under a cost model: "
                                  "fixed-k, oracle-k, combined and realizable policies, optimistic and faithful accounting.")
     ap.add_argument("traces", nargs="+", help="trace files (JSONL, interchange format; published traces load as they are)")
@@ -64,6 +64,11 @@ def main(argv=None) -> int:
                     help="trace files simulated at once, each in a process of its own (default: the CPUs this process "
                          "may use; 1: one after another in this process); the results are the same")
     ap.add_argument("--out", default="oracle_results", help="output folder")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     a = ap.parse_args(argv)
     if a.jobs < 1:
         print(f"specsweep-oracle: --jobs must be at least 1, got {a.jobs}", file=sys.stderr)
