@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402, I001
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import lengths_report  # noqa: E402
+from . import lengths_report, speculation_profile  # noqa: E402
 from .html_report import write_html
 from .methods import speculative_rows
 from .results import find_sweep_dirs, load_summaries
@@ -312,6 +312,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     lines += controls_markdown(controls)
     lines += load_markdown(df)
     lines += lengths_report.lengths_markdown(df)
+    lines += speculation_profile.by_category_markdown(sweep_dir, df)
     lines += flags_markdown(df)
     errs = df[df.status != "ok"]
     if len(errs):

@@ -206,6 +206,35 @@ def forced_acceptance(profile: dict, k: int | None = None) -> dict[str, list[str
     return out
 
 
+def by_category_markdown(sweep_dir: Path, df: pd.DataFrame) -> list[str]:
+    """The report's acceptance-by-category matrix: for a sweep with a categorized workload (a
+    job's profile with two categories or more: Spec-Bench's question.jsonl, SPEED-Bench), the mean
+    accept length per category (rows) and per engine, method and draft length (columns), from
+    each job's speculation_profile.json (the smallest batch where a job ran at several)."""
+    if df.empty or "job" not in df.columns:
+        return []
+    cols: dict[str, dict[str, float]] = {}
+    ok = df[(df.status == "ok")] if "status" in df.columns else df
+    for _, r in ok.sort_values("batch_size").iterrows():
+        f = Path(sweep_dir) / str(r.job) / FILENAME
+        if not f.exists():
+            continue
+        cats = (json.loads(f.read_text()).get("per_category") or {})
+        label = f"{r.backend}/{r.method} k={r.num_speculative_tokens} T={r.temperature:g} ({r.workload})"
+        if len(cats) >= 2 and label not in cols:
+            cols[label] = cats
+    if not cols:
+        return []
+    cats = sorted({c for v in cols.values() for c in v})
+    out = ["## Acceptance by category", "",
+           "Mean accept length (1 + accepted tokens / steps, the bonus token included) of each prompt category, "
+           "per job (its speculation_profile.json; at its smallest batch).", "",
+           "| category | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for c in cats:
+        out.append(f"| {c} | " + " | ".join(f"{v[c]:.2f}" if c in v else "-" for v in cols.values()) + " |")
+    return out + [""]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specsweep-profile", description=(
         "Check a speculation_profile.json (specsweep's, or Model-Optimizer specdec_bench's schema 1.0) and print "

@@ -118,3 +118,21 @@ def test_a_profile_written_by_one_run_reproduces_its_acceptance_when_forced_in_a
     for pa, pb in zip(a["marginal_accept_rates"], b["marginal_accept_rates"]):
         # the forced acceptance is a draw: within 0.02, or within sampling error where the run is too short for that
         assert abs(pa - pb) <= max(0.02, 4.5 * math.sqrt(pa * (1 - pa) / n)), (a["marginal_accept_rates"], b)
+
+
+def test_the_report_has_an_acceptance_by_category_matrix_for_a_categorized_workload(tmp_path):
+    """Built from each job's profile: one column per engine, method and k (its smallest batch),
+    a row per category; a sweep whose jobs each saw one category (the built-in workloads) has none."""
+    rows = []
+    for job, method, batch, cats in (("a", "ngram", 1, {"coding": 3.5, "math": 1.5}), ("b", "ngram", 4, {"coding": 9.0}),
+                                     ("c", "eagle3", 1, {"coding": 2.0, "writing": 2.5})):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / sp.FILENAME).write_text(json.dumps({"per_category": cats}))
+        rows.append({"job": job, "status": "ok", "backend": "native", "method": method, "num_speculative_tokens": 3,
+                     "temperature": 0.0, "workload": "jsonl", "batch_size": batch})
+    md = "\n".join(sp.by_category_markdown(tmp_path, pd.DataFrame(rows)))
+    assert "## Acceptance by category" in md
+    assert "| coding | 3.50 | 2.00 |" in md and "| math | 1.50 | - |" in md and "| writing | - | 2.50 |" in md
+    assert "9.00" not in md  # batch 4 of the same method: its batch 1 is the column
+    single = pd.DataFrame([{**rows[1], "job": "b"}])
+    assert sp.by_category_markdown(tmp_path, single) == []
