@@ -152,6 +152,18 @@ class VLLMBackend(Backend):
         spec = None if k is None else speculative_config(method, k)
         return [] if spec is None else ["--speculative-config", json.dumps(spec)]
 
+    @classmethod
+    def engine_schedule(cls, method: dict, schedule: list[tuple[int, int, int]]) -> list[str] | None:
+        """vLLM's dynamic speculative decoding: speculative_config's num_speculative_tokens_per_batch_size,
+        inclusive batch-size ranges from 1 with their k (0: off), num_speculative_tokens the largest
+        (vLLM 0.32's vllm/config/speculative.py and v1/spec_decode/dynamic/utils.py)."""
+        top = max(k for _, _, k in schedule)
+        if top < 1:
+            return None
+        spec = speculative_config(method, top)
+        return ["--speculative-config", json.dumps({**spec, "num_speculative_tokens_per_batch_size":
+                                                    [list(entry) for entry in schedule]})]
+
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, VLLMConfig, self.name)
         self.method, self.k = dict(method), num_speculative_tokens

@@ -265,6 +265,13 @@ class Backend(abc.ABC):
         return None
 
     @classmethod
+    def engine_schedule(cls, method: dict, schedule: list[tuple[int, int, int]]) -> list[str] | None:
+        """How a user runs `method` with a draft length per batch size on this engine, in its own
+        syntax: schedule is [(first batch size, last batch size, k), ...] (inclusive, from batch 1,
+        k 0 for off). None: the engine takes no such schedule."""
+        return None
+
+    @classmethod
     def baseline_key(cls, method: dict) -> dict:
         """What of the method config changes this engine's baseline path (the same engine with
         speculation off): part of a shared baseline's identity, so that two methods whose

@@ -325,7 +325,45 @@ def _load_choice(rows: _Rows, where: tuple, meas: pd.DataFrame) -> None:
                  f"best {ev}: not every repeat improved p50 TPOT")
 
 
-def markdown(tuned: pd.DataFrame, notes: list[str]) -> str:
+def batch_schedule(choices: list[tuple[int, str | None, int | None]], method: str) -> list[tuple[int, int, int]]:
+    """A draft length per batch size for one method, from the choices at each measured batch size
+    ((batch, method chosen or None for off, k)): each measured batch size's k holds from it up to
+    the next measured one (the first from batch 1, the last open-ended: the engine carries it on),
+    0 where speculation is off or another method was chosen there."""
+    pts = sorted((b, k if m == method else 0) for b, m, k in choices)
+    out = []
+    for i, (b, k) in enumerate(pts):
+        start = 1 if i == 0 else b
+        end = pts[i + 1][0] - 1 if i + 1 < len(pts) else b
+        out.append((start, end, int(k or 0)))
+    return out
+
+
+def schedules(tuned: pd.DataFrame, classes: dict) -> list[str]:
+    """Per engine, workload and temperature whose choice varies with the batch size and whose
+    adapter takes a schedule (Backend.engine_schedule): the one config that runs each measured
+    batch size's choice, for the method chosen at the most batch sizes."""
+    out = []
+    static = tuned[tuned.level.str.match(r"^batch \d+$")] if len(tuned) else tuned
+    for (be, w, t), g in static.groupby(["backend", "workload", "temperature"], sort=True):
+        cls = classes.get(be)
+        chosen = g.method.dropna()
+        if cls is None or isinstance(cls, str) or chosen.empty or len(g) < 2 or g.use.nunique() < 2:
+            continue
+        method = chosen.value_counts().index[0]
+        choices = [(int(level.split()[1]), m if isinstance(m, str) else None, None if pd.isna(k) else int(k))
+                   for level, m, k in zip(g.level, g.method, g.k)]
+        sched = batch_schedule(choices, method)
+        argv = cls.engine_schedule({**method_defaults(method), "name": method}, sched)
+        if argv:
+            out.append(f"- {be}, {w}, T={t:g}: {method} with k per batch size {sched}: `{shlex.join(argv)}`")
+    if out:
+        out = ["Batch-size schedules (one engine config for every measured batch size, where the engine takes a "
+               "draft length per batch size; each k holds from its batch size up to the next one measured):", ""] + out
+    return out + ([""] if out else [])
+
+
+def markdown(tuned: pd.DataFrame, notes: list[str], classes: dict | None = None) -> str:
     lines = ["## What to run", "",
              "Per engine: the method and draft length k to switch on, or off, for each workload, temperature and batch "
              "size (or load level), in the engine's own syntax, and the measurement it rests on (speedup against the "
@@ -344,6 +382,7 @@ def markdown(tuned: pd.DataFrame, notes: list[str]) -> str:
             lines.append(f"| {r.workload} | {r.temperature:g} | {r.level} | {use} | {cfg.replace('|', '/')} | "
                          f"{rest.replace('|', '/')} |")
         lines.append("")
+    lines += schedules(tuned, classes or {})
     if notes:
         lines += ["Simulator:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)

@@ -316,3 +316,31 @@ def test_engines_are_decided_separately(tmp_path):
 def test_baseline_and_failed_jobs_are_not_candidates(tmp_path):
     rows = [_rec_row("autoregressive", 1.0, 1.0, 1.0), {**_rec_row("ngram", 3.0, 2.9, 3.1), "status": "error"}]
     assert decide(pd.DataFrame(rows), tmp_path)[0].empty
+
+
+def test_a_batch_size_schedule_in_vllms_syntax_from_the_choices_per_batch_size():
+    """vLLM's num_speculative_tokens_per_batch_size (inclusive ranges from batch 1, k 0 for off;
+    its v1/spec_decode/dynamic/utils.py's rules): each measured batch size's k up to the next one."""
+    import json
+    import shlex
+
+    import pandas as pd
+
+    from backends.vllm import VLLMBackend
+    from bench.decision import batch_schedule, schedules
+
+    assert batch_schedule([(4, "ngram", 3), (1, "ngram", 5), (16, None, None)], "ngram") == [(1, 3, 5), (4, 15, 3), (16, 16, 0)]
+    assert batch_schedule([(1, "eagle3", 3), (8, "ngram", 2)], "ngram") == [(1, 7, 0), (8, 8, 2)]  # another method: off
+    tuned = pd.DataFrame([{"backend": "vllm", "workload": "chat", "temperature": 0.0, "level": f"batch {b}",
+                           "use": f"ngram k={k}" if k else "off", "method": "ngram" if k else None, "k": k or None}
+                          for b, k in ((1, 5), (4, 3), (16, 0))])
+    (line,) = [x for x in schedules(tuned, {"vllm": VLLMBackend}) if x.startswith("- vllm")]
+    argv = shlex.split(line.split("`")[1])
+    spec = json.loads(argv[1])
+    assert argv[0] == "--speculative-config" and spec["num_speculative_tokens"] == 5
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 5], [4, 15, 3], [16, 16, 0]]
+    # the same choice at every batch size needs no schedule; an engine that takes none gets none
+    assert not schedules(tuned.assign(use="ngram k=3", method="ngram", k=3), {"vllm": VLLMBackend})
+    from bench.backend import Backend
+
+    assert not schedules(tuned, {"vllm": Backend})
