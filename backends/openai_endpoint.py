@@ -24,7 +24,7 @@ from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOu
 
 
 from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, get, llama_margins_across_shapes,
-                      metrics_page, read_counters, serve_load, spec_counters, tokenize)
+                      metrics_page, own_and_aggregate, read_counters, serve_load, spec_counters, tokenize)
 
 PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -167,12 +167,10 @@ class OpenAIEndpointBackend(Backend):
             delta = counter_delta(before, e.counters())
             self._check_k(e, delta)
             sc = spec_counters(delta, e.counter_names, self.k)
-        own = [r.spec_counters for r in reqs]
-        if spec and own and all(c is not None for c in own):
-            # each response's own acceptance (a vLLM server run with --per-request-spec-decode-metrics):
-            # no other client's request enters it; the /metrics deltas become the cross-check
-            return BatchOutput(reqs, wall, None, spec_counters=sum(own[1:], own[0]), aggregate_counters=sc)
-        return BatchOutput(reqs, wall, None, spec_counters=sc)
+        # each response's own acceptance where the server returns it (a vLLM server run with
+        # --per-request-spec-decode-metrics); the /metrics deltas then the cross-check
+        sc, aggregate = own_and_aggregate(reqs, sc) if spec else (None, None)
+        return BatchOutput(reqs, wall, None, spec_counters=sc, aggregate_counters=aggregate)
 
     def _check_k(self, e: Endpoint, delta: dict) -> None:
         """num_speculative_tokens must be the deployment's k: it sizes the per-position record, so

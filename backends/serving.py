@@ -112,8 +112,8 @@ def vllm_request_counts(block: dict, k: int) -> SpecCounters:
     server run with --per-request-spec-decode-metrics): verify steps (num_spec_steps), draft and
     accepted draft tokens, and accepted per draft position from acceptance_histogram (index j: the
     steps that accepted exactly j drafts)."""
-    hist = [int(n) for n in block.get("acceptance_histogram") or []]
-    per_pos = [sum(hist[i + 1:]) for i in range(k)] if hist else []
+    hist = block.get("acceptance_histogram") or []
+    per_pos = SpecCounters.accepted_from_histogram(hist, k) if hist else []
     return SpecCounters(int(block.get("num_spec_steps") or 0), int(block.get("num_draft_tokens") or 0),
                         int(block.get("num_accepted_draft_tokens") or 0), per_pos)
 
@@ -153,9 +153,7 @@ def sglang_request_counts(meta: dict, k: int) -> SpecCounters:
     verify = int(meta.get("spec_verify_ct", 0) or 0)
     if verify == 0:
         return SpecCounters(0, 0, 0, [0] * k)
-    hist = list(meta.get("spec_correct_drafts_histogram") or [])
-    # position i (0-based) is accepted in every verify that accepted more than i drafts
-    per_pos = [int(sum(hist[i + 1:])) for i in range(k)]
+    per_pos = SpecCounters.accepted_from_histogram(meta.get("spec_correct_drafts_histogram") or [], k)
     return SpecCounters(verify, int(meta["spec_num_proposed_drafts"]), int(meta["spec_num_correct_drafts"]), per_pos)
 
 
@@ -215,6 +213,17 @@ async def sglang_stream(client, q: Request) -> RequestOutput:
     return RequestOutput(ids, times[0], times[-1], times, finished_by=_finished_by(reason.get("type")),
                          drafted=counts.draft_tokens if counts else None,
                          accepted=counts.accepted_tokens if counts else None, spec_counters=counts)
+
+
+def own_and_aggregate(reqs, aggregate: SpecCounters | None) -> tuple[SpecCounters | None, SpecCounters | None]:
+    """A batch's acceptance record, as (spec_counters, aggregate_counters) of its BatchOutput: the
+    responses' own counts summed where every response carried them (no other client's request can
+    enter them), the server's aggregate counters then kept beside them as the cross-check; else the
+    aggregate counters alone."""
+    own = [r.spec_counters for r in reqs]
+    if own and all(c is not None for c in own):
+        return sum(own[1:], own[0]), aggregate
+    return aggregate, None
 
 
 PROTOCOLS: dict[str, Callable[..., Awaitable[RequestOutput]]] = {

@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.backend import BatchOutput, LoadPlan, Sampling
 
 from .processes import ServerProcess, cli_flags
-from .serving import VLLM_COUNTERS, detokenize, read_counters, serve_load, tokenize
+from .serving import VLLM_COUNTERS, detokenize, own_and_aggregate, read_counters, serve_load, tokenize
 from .vllm import VLLMBackend, _delta, plugin_env
 
 def spec_counters_from_metrics(text: str) -> dict:
@@ -91,15 +91,11 @@ class VLLMServerBackend(VLLMBackend):
         if not spec:
             return BatchOutput(reqs, wall, None, steps=self._take_steps(s))
         after = s.counters()
-        delta = _delta(before, after, self.k)
-        own = [r.spec_counters for r in reqs]
-        if own and all(c is not None for c in own):
-            # each response's own acceptance, which no other client's request can enter; the /metrics
-            # deltas are kept beside it as a cross-check (bench.metrics.job.cross_check)
-            return BatchOutput(reqs, wall, None, counters={"before": before, "after": after},
-                               spec_counters=sum(own[1:], own[0]), aggregate_counters=delta, steps=self._take_steps(s))
-        return BatchOutput(reqs, wall, None, counters={"before": before, "after": after},
-                           spec_counters=delta, steps=self._take_steps(s))
+        # each response's own acceptance where the server returns it; the /metrics deltas beside it as
+        # a cross-check (bench.metrics.job.cross_check), or alone
+        sc, aggregate = own_and_aggregate(reqs, _delta(before, after, self.k))
+        return BatchOutput(reqs, wall, None, counters={"before": before, "after": after}, spec_counters=sc,
+                           aggregate_counters=aggregate, steps=self._take_steps(s))
 
     def describe(self) -> dict:
         return {**super().describe(), "engine": "vllm (OpenAI-compatible server on 127.0.0.1)"}

@@ -63,6 +63,15 @@ class SpecCounters:
     drafts_per_position: list[int] | None = None
     reached_per_position: list[int] | None = None
 
+    @staticmethod
+    def accepted_from_histogram(hist, k: int) -> list[int]:
+        """Accepted draft tokens per position 1..k from a histogram of verify steps by how many
+        drafts they accepted (hist[j]: the steps that accepted exactly j): position p is accepted
+        in every step that accepted p drafts or more (SGLang's spec_correct_drafts_histogram,
+        vLLM's per-request acceptance_histogram, AIPerf's pooled one)."""
+        hist = [int(n) for n in hist]
+        return [sum(hist[p:]) for p in range(1, k + 1)]
+
     def __add__(self, o: "SpecCounters") -> "SpecCounters":
         def add(a, b):
             if a is None or b is None:

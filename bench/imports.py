@@ -125,7 +125,7 @@ def _histogram_counters(hist: dict, k: int | None, draft_tokens: int | None = No
     k = k or max(h)
     steps = sum(h.values())
     accepted = sum(j * n for j, n in h.items())
-    per_pos = [sum(n for j, n in h.items() if j >= p) for p in range(1, k + 1)]
+    per_pos = SpecCounters.accepted_from_histogram([h.get(j, 0) for j in range(max(max(h), k) + 1)], k)
     full = draft_tokens is None or draft_tokens == steps * k
     return SpecCounters(steps, steps * k if draft_tokens is None else int(draft_tokens), accepted, per_pos,
                         drafts_per_position=[steps] * k if full else None,
@@ -322,13 +322,10 @@ def _paired_columns(run: Run, base: Run) -> dict:
            "baseline_request_throughput": base.request_throughput, "baseline_output_tokens_per_s": base.tokens_per_s,
            "baseline_goodput_rps": base.goodput_rps, "goodput_ratio": ratio(run.goodput_rps, base.goodput_rps),
            "baseline_from": base.source}
-    out.update({f"baseline_{k}": v for k, v in base.latency_s.items() if f"baseline_{k}" in _BASELINE_LATENCY})
+    out.update({f"baseline_{k}": v for k, v in base.latency_s.items()})
     if "tpot_p50" in run.latency_s and "tpot_p50" in base.latency_s:
         out["tpot_speedup"] = ratio(base.latency_s["tpot_p50"], run.latency_s["tpot_p50"])
     return out
-
-
-_BASELINE_LATENCY = {f"baseline_{m}_{q}" for m in ("ttft", "tpot", "e2e", "itl") for q in ("p50", "p90", "p99")}
 
 
 def to_row(run: Run, base: Run | None, a) -> dict:

@@ -38,36 +38,33 @@ class ProfileError(ValueError):
     """A profile file that cannot be used: names the file, the key and what is valid."""
 
 
-def _histogram(cycles: pd.DataFrame | None) -> dict[str, int] | None:
+def _method_steps(cycles: pd.DataFrame | None) -> pd.DataFrame:
+    """The method arm's verification steps that had a draft (a batched step once per row)."""
+    if cycles is None or not len(cycles) or "drafted" not in cycles.columns:
+        return pd.DataFrame(columns=["request_id", "accepted"])
+    steps = cycles[cycles.drafted > 0]
+    return steps[steps.run != "baseline"] if "run" in steps.columns else steps
+
+
+def _histogram(steps: pd.DataFrame) -> dict[str, int] | None:
     """{accept length: steps}: per verification step with a draft, accepted + 1 (the bonus token)."""
-    steps = _method_steps(cycles)
-    if steps is None or not len(steps):
+    if not len(steps):
         return None
     counts = (steps.accepted + 1).value_counts().sort_index()
     return {str(int(length)): int(n) for length, n in counts.items()}
 
 
-def _method_steps(cycles: pd.DataFrame | None) -> pd.DataFrame | None:
-    """The method arm's verification steps that had a draft (a batched step once per row)."""
-    if cycles is None or not len(cycles) or "drafted" not in cycles.columns:
-        return None
-    steps = cycles[cycles.drafted > 0]
-    return steps[steps.run != "baseline"] if "run" in steps.columns else steps
-
-
-def _per_request_mean(cycles: pd.DataFrame | None) -> float | None:
+def _per_request_mean(steps: pd.DataFrame) -> float | None:
     """Mean accept length of each request, averaged over requests (each request once)."""
-    steps = _method_steps(cycles)
-    if steps is None or not len(steps):
+    if not len(steps):
         return None
     g = steps.groupby("request_id").accepted.agg(["size", "sum"])
     return round(float((1 + g["sum"] / g["size"]).mean()), 6)
 
 
-def _per_category(cycles: pd.DataFrame | None, requests: pd.DataFrame | None) -> dict[str, float] | None:
+def _per_category(steps: pd.DataFrame, requests: pd.DataFrame | None) -> dict[str, float] | None:
     """Mean accept length per prompt category (1 + accepted / steps over its requests' steps)."""
-    steps = _method_steps(cycles)
-    if steps is None or not len(steps) or requests is None or "category" not in requests.columns:
+    if not len(steps) or requests is None or "category" not in requests.columns:
         return None
     cats = requests.drop_duplicates("request_id").set_index("request_id").category
     steps = steps.assign(category=steps.request_id.map(cats))
@@ -105,6 +102,7 @@ def build(row: dict, config: dict, cycles: pd.DataFrame | None = None,
     method = config.get("method") or {}
     draft = next((method[key] for key in ("draft_path", "head_path", "profile_path") if method.get(key)), None)
     load = config.get("load") or {"kind": "static"}
+    steps_traced = _method_steps(cycles)
     return {
         "schema_version": SCHEMA_VERSION, "measured": True, "method": row.get("method"),
         "draft_checkpoint": {"id": str(draft) if draft else row.get("method")},
@@ -113,9 +111,9 @@ def build(row: dict, config: dict, cycles: pd.DataFrame | None = None,
         "verification_method": "longest_prefix",
         "conditional_accept_rates": conditional, "marginal_accept_rates": marginal,
         "mean_accept_length": round(tau, 6),
-        "mean_accept_length_per_request": _per_request_mean(cycles),
+        "mean_accept_length_per_request": _per_request_mean(steps_traced),
         "accept_length_model": "measured_per_k", "accept_length_by_k": {str(k): round(tau, 6)},
-        "acceptance_length_histogram": _histogram(cycles), "per_category": _per_category(cycles, requests),
+        "acceptance_length_histogram": _histogram(steps_traced), "per_category": _per_category(steps_traced, requests),
         "measurement_conditions": {
             "harness": "specsweep", "engine": row.get("backend"), "dataset": row.get("workload"),
             "batch_size": row.get("batch_size"), "load": load.get("kind"), "load_level": load.get("level"),
