@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOutput, LoadPlan, RequestOutput,
-                           Sampling, SettingError, SpecCounters, check_positive_seconds, checked_settings)
+                           ResourceNeed, Sampling, SettingError, SpecCounters, check_positive_seconds, checked_settings)
 
 
 from bench.methods import specsweep_overrides
@@ -43,6 +43,20 @@ def resolve_gguf(path: str) -> str:
         raise FileNotFoundError(f"backend llamacpp needs a .gguf model file; {path!r} is not one "
                                 f"(pass {DEFAULT_MODEL!r} or a path to a .gguf file)")
     return str(p)
+
+
+def llamacpp_need(model: dict, method: dict, ctx_tokens: int, sequences: int) -> ResourceNeed:
+    """llama.cpp's floor, for both adapters: the GGUF mapped in whole, and an f16 K and V cache
+    allocated for the whole context it is given (ctx_tokens; a sliding-window layer's only for its
+    window per sequence), a draft model's too."""
+    from .model_facts import model_facts
+
+    facts = model_facts(Path(resolve_gguf(model["path"])))
+    parts = {"weights": facts.file_bytes, "KV cache": facts.windowed_kv_bytes(ctx_tokens, sequences, 2)}
+    if method.get("name") == "draft_model" and method.get("draft_path"):
+        draft = model_facts(Path(resolve_gguf(method["draft_path"])))
+        parts.update({"draft weights": draft.file_bytes, "draft KV cache": draft.windowed_kv_bytes(ctx_tokens, sequences, 2)})
+    return ResourceNeed(context_tokens=facts.context_tokens, context_source=facts.context_source, memory_bytes=parts)
 
 
 @dataclass
@@ -176,6 +190,14 @@ class LlamaCppBackend(Backend):
             if not method.get("draft_path"):
                 raise ValueError("method draft_model on backend llamacpp needs method.draft_path=FILE.gguf")
             resolve_gguf(method["draft_path"])
+
+    @classmethod
+    def resource_need(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int, rows: int,
+                      tokens_per_row: int) -> ResourceNeed:
+        """One context of backend.n_ctx positions, which the rows of a batch share."""
+        need = llamacpp_need(model, method, checked_settings(settings, LlamaCppConfig).n_ctx, rows)
+        need.advice = "a smaller backend.n_ctx"
+        return need
 
     @classmethod
     def baseline_key(cls, method: dict) -> dict:

@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BackendError, BatchOutput, EngineTimeout,
-                           LoadPlan, Sampling, check_positive_seconds, checked_settings)
+                           LoadPlan, ResourceNeed, Sampling, check_positive_seconds, checked_settings)
 from bench.methods import knobs, synthetic_rates
 
 from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, forced_repack_blamed, killed_by_signal,
                         repack_mode)
-from .llamacpp import gguf_tensor_bytes, resolve_gguf, weight_buffers
+from .llamacpp import gguf_tensor_bytes, llamacpp_need, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, free_port, killed_with_parent, stop
 from .serving import (LLAMA_SERVER_COUNTERS, answers, counter_delta, detokenize, llama_margins_across_shapes, post_json,
                       read_counters, serve_load, spec_counters, tokenize)
@@ -231,6 +231,14 @@ class LlamaServerBackend(Backend):
         find_binary(checked_settings(settings, LlamaServerConfig).binary)
         resolve_gguf(model["path"])
         spec_flags(method, num_speculative_tokens)  # an unknown method or a draft model without its file
+
+    @classmethod
+    def resource_need(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int, rows: int,
+                      tokens_per_row: int) -> ResourceNeed:
+        """A server with one slot per row, -c = backend.ctx_per_slot x slots."""
+        need = llamacpp_need(model, method, checked_settings(settings, LlamaServerConfig).ctx_per_slot * rows, rows)
+        need.advice = "a smaller backend.ctx_per_slot"
+        return need
 
     def set_artifact_dir(self, path) -> None:
         self.logdir = Path(path)

@@ -163,6 +163,15 @@ class SGLangBackend(Backend):
         resolve_model_path(str(model["path"]))
 
     @classmethod
+    def resource_need(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int, rows: int,
+                      tokens_per_row: int):
+        """The model's context window; the engine sizes its own memory (a share of the device)."""
+        from backends.model_facts import context_need
+        from backends.native.loading import resolve_model_path
+
+        return context_need(resolve_model_path(str(model["path"])))
+
+    @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str]:
         """SGLang's server arguments (speculative_args as launch_server flags); off: none."""
         return [] if k is None else cli_flags(speculative_args(method, k))

@@ -104,6 +104,19 @@ class BatchOutput:
 
 
 @dataclass
+class ResourceNeed:
+    """A job's need, estimated before any model loads (Backend.resource_need). The memory parts
+    are what the engine will hold at the job's largest batch and length: a floor, not a ceiling
+    (activations and the engine's own overhead come on top), so a job over the memory free is
+    certain not to fit."""
+    context_tokens: int | None = None  # the model's context window (its config); None: not known here
+    context_source: str = ""  # where that figure comes from (a config key), for the error that quotes it
+    memory_bytes: dict[str, int] = field(default_factory=dict)  # part ("weights", "KV cache", ...) -> bytes
+    memory_device: str = "cpu"  # where that memory is taken: cpu (host RAM) or cuda[:N]
+    advice: str = ""  # a setting of this engine that lowers the need (said when a job does not fit)
+
+
+@dataclass
 class LoadPlan:
     """When the requests of a load run are submitted (bench/load.py builds it from the `load`
     config). concurrency: a closed loop, `concurrency` requests outstanding at all times (request
@@ -262,6 +275,15 @@ class Backend(abc.ABC):
         bad value and what is valid. Run for every job of a sweep before the first one starts.
         Here: the settings against config_cls (an adapter that checks more does so too, first)."""
         checked_settings(settings, cls.config_cls, cls.name)
+
+    @classmethod
+    def resource_need(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int, rows: int,
+                      tokens_per_row: int) -> "ResourceNeed":
+        """What a job of `rows` requests at once, each holding at most `tokens_per_row` tokens (its
+        prompt, its output and a draft past it), asks of the model and the machine, from the
+        model's files and the settings, without loading anything (the sweep's pre-check holds it to
+        the model's context and the memory free). Default: nothing known."""
+        return ResourceNeed()
 
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str] | None:

@@ -269,8 +269,22 @@ def _job(cfg: DictConfig) -> dict | None:
     return None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm, Kubernetes and systemd send to stop or preempt a job), raised where the
+    sweep is, as Ctrl-C raises KeyboardInterrupt: the same unwinding (the engine closed, its
+    servers stopped, the job left incomplete) and the same summary."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
 def main() -> None:
-    """`specsweep`: the Hydra app, with Ctrl-C answered by a short summary instead of a traceback."""
+    """`specsweep`: the Hydra app, with Ctrl-C and SIGTERM answered by a short summary instead of a
+    traceback (exit 130 and 143: 128 + the signal's number, as a shell reports a death by it)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         _job()
     except SystemExit as e:
@@ -282,11 +296,12 @@ def main() -> None:
         if e.code == 1 and not bench.cli.SweepSummary.checked:
             raise SystemExit(2) from None
         raise
-    except KeyboardInterrupt:
-        print("\nspecsweep: interrupted. Every job that completed is kept (each in its own folder, and in the "
+    except KeyboardInterrupt as e:
+        stop = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        print(f"\nspecsweep: {stop}. Every job that completed is kept (each in its own folder, and in the "
               "index); the interrupted one left no result and runs again when the same command is run again, "
               "which skips the completed ones.", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
 
 
 if __name__ == "__main__":

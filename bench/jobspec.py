@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from workloads import WorkloadUnavailable, load_prompts
 
 from . import load
-from .backend import checked_settings
 from .config import ConfigError, validate
 from .methods import split_method_keys
+from .preflight import check_context, check_resources, check_rows
 from .results import job_name
 
 
@@ -99,46 +99,12 @@ def check_job(cfg: DictConfig) -> list[str]:
     adapter.check_config(job.settings, job.c["model"], job.method, job.c["num_speculative_tokens"])
     check_rows(job.c, adapter, job.settings)
     check_context(job.c, adapter, job.settings)
+    check_resources(job.c, adapter, job.settings, job.method)
     try:
         job.prompts()
     except WorkloadUnavailable:
         pass  # recorded as skipped when it runs
     return job.ignored
-
-
-def check_rows(c: dict, adapter, settings: dict) -> None:
-    """The rows a job runs at once (batch_size; under load the plan's, which load.normalize put in
-    batch_size) within the adapter's cap on them, where its config declares one (rows_setting)."""
-    key = getattr(getattr(adapter, "config_cls", None), "rows_setting", None)
-    if not key:
-        return
-    limit = getattr(checked_settings(settings, adapter.config_cls, c["backend"].get("name")), key)
-    rows = int(c["batch_size"])
-    if rows > limit:
-        load_cfg = c.get("load") or {}
-        what = (f"load.level={load_cfg.get('level')}" if load_cfg.get("kind") == "concurrency"
-                else f"load.max_rows={load_cfg.get('max_rows')}" if load_cfg.get("kind") == "rate"
-                else f"batch_size={rows}")
-        raise ValueError(f"{what} runs {rows} requests at once; backend.{key}={limit} holds fewer: raise it "
-                         f"(backend.{key}={rows}) or lower the rows")
-
-
-def check_context(c: dict, adapter, settings: dict) -> None:
-    """At a set input length (prompt_tokens), every request's tokens (its prompt, its output and a
-    draft past it) within the adapter's context setting, per row or shared by a batch's rows, where
-    its config declares one (context_setting)."""
-    cls = getattr(adapter, "config_cls", None)
-    key = getattr(cls, "context_setting", None)
-    if not key or not c.get("prompt_tokens"):
-        return
-    limit = getattr(checked_settings(settings, cls, c["backend"].get("name")), key)
-    per_row = c["prompt_tokens"] + c["max_new_tokens"] + c["num_speculative_tokens"] + 2
-    rows = int(c["batch_size"]) if cls.context_shared_by_rows else 1
-    if per_row * rows > limit:
-        shared = f" x {rows} rows (batch_size; the rows share it)" if rows > 1 else ""
-        raise ValueError(f"prompt_tokens={c['prompt_tokens']} + max_new_tokens={c['max_new_tokens']} + a draft of "
-                         f"{c['num_speculative_tokens']} need {per_row} tokens{shared}; backend.{key}={limit} holds "
-                         f"fewer: raise it (backend.{key}={per_row * rows}) or shorten the lengths")
 
 
 def job_work(cfg: DictConfig) -> tuple[int, int]:

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BatchOutput, LoadPlan, RequestOutput, Sampling,
+from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BatchOutput, LoadPlan, RequestOutput, ResourceNeed, Sampling,
                            checked_settings)
 from bench.methods import knobs, specsweep_overrides, synthetic_rates
 
@@ -124,6 +124,29 @@ class NativeBackend(Backend):
                 if not Path(method[key]).expanduser().exists():
                     raise FileNotFoundError(f"method.{key}={method[key]!r} does not exist; pass an existing "
                                             f"{'model file or folder' if key == 'draft_path' else 'head folder'}")
+
+    @classmethod
+    def resource_need(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int, rows: int,
+                      tokens_per_row: int) -> ResourceNeed:
+        """The target's weights at backend.dtype and its static KV cache (every layer, every row at
+        full length: model.KVCache), and a draft model's own cache (and weights, from a file)."""
+        from ..model_facts import BYTES_PER_ELEMENT, model_facts
+        from .loading import resolve_model_path
+
+        cfg = checked_settings(settings, NativeConfig)
+        b = BYTES_PER_ELEMENT[cfg.dtype]
+        facts = model_facts(resolve_model_path(model["path"]))
+        parts = {"weights": facts.params * b, "KV cache": facts.kv_bytes(rows * tokens_per_row, b)}
+        drafts = method.get("name") == "draft_model" or "draft_model" in str(method.get("policy") or "")
+        if drafts and method.get("draft_path"):
+            draft = model_facts(resolve_model_path(method["draft_path"]))
+            parts.update({"draft weights": draft.params * b, "draft KV cache": draft.kv_bytes(rows * tokens_per_row, b)})
+        elif drafts:
+            layers = knobs("draft_model", method)["draft_layers"]
+            parts["draft KV cache"] = facts.kv_bytes(rows * tokens_per_row, b, layers)
+        return ResourceNeed(context_tokens=facts.context_tokens, context_source=facts.context_source,
+                            memory_bytes=parts, memory_device=cfg.device,
+                            advice="backend.dtype=bfloat16 (half of float32's bytes)" if b == 4 else "")
 
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str]:
