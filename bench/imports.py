@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import SpecCounters
+from .jsonl import read_jsonl
 from .methods import speculates
 from .metrics import acceptance
 from .results import JobKey, build_index, short_hash, write_json
@@ -112,7 +113,7 @@ def read_vllm_bench(path: Path) -> list[Run]:
         data = json.loads(text)
         items = data if isinstance(data, list) else [data]
     except json.JSONDecodeError:  # --append-result: one JSON object per line
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        items = [d for _, d in read_jsonl(path, UnreadableResultFile)]
     return [_vllm_run(d, f"{path}" + (f"[{i}]" if len(items) > 1 else "")) for i, d in enumerate(items)]
 
 
@@ -156,8 +157,7 @@ def read_aiperf(path: Path) -> list[Run]:
     run.max_output_len = stat("output_sequence_length", "max")
     per_request = path.parent / "profile_export.jsonl"
     if per_request.exists():
-        for line in per_request.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else {}
+        for _, rec in read_jsonl(per_request, UnreadableResultFile):
             sd = rec.get("spec_decode_acceptance")
             if sd and (rec.get("metadata") or {}).get("benchmark_phase", "profiling") == "profiling":
                 run.k = run.k or sd.get("num_spec_tokens")
@@ -229,7 +229,7 @@ def read_guidellm(path: Path) -> list[Run]:
 
 
 def read_spec_bench(path: Path) -> list[Run]:
-    answers = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    answers = [a for _, a in read_jsonl(path, UnreadableResultFile)]
     tokens = wall = 0.0
     steps: list[int] = []
     for n, a in enumerate(answers, 1):

@@ -61,6 +61,12 @@ def test_jsonl_errors_name_the_problem(tmp_path):
     bad = _write(tmp_path / "bad.jsonl", ['{"question_id": 1, "category": "a", "turns": ["x"]}', '{"question_id": 2,'])
     with pytest.raises(WorkloadError, match="line 2: not valid JSON"):
         load_prompts("jsonl", 1, seed=0, path=str(bad))
+    latin1 = tmp_path / "latin1.jsonl"  # a byte that is not UTF-8 (0xff) on line 2: named, not a bare codec error
+    latin1.write_bytes(b'{"question_id": 1, "turns": ["x"]}\n{"question_id": 2, "turns": ["caf\xe9 \xff"]}\n')
+    with pytest.raises(WorkloadError, match=r"latin1\.jsonl, line 2: not UTF-8 \(byte 0xe9 at column 34\)"):
+        load_prompts("jsonl", 1, seed=0, path=str(latin1))
+    bom = _write(tmp_path / "bom.jsonl", ['\ufeff{"question_id": 1, "category": "a", "turns": ["x"]}'])
+    assert load_prompts("jsonl", 1, seed=0, path=str(bom))  # a BOM before the first line (Windows editors) is fine
     shape = _write(tmp_path / "shape.jsonl", ['{"question_id": 1, "prompt": "x"}'])
     with pytest.raises(WorkloadError, match='line 1: expected an object with "turns"'):
         load_prompts("jsonl", 1, seed=0, path=str(shape))
