@@ -88,12 +88,12 @@ def test_every_workload_has_a_typed_node_whose_defaults_its_prompts_use():
 
     from hydra import compose, initialize_config_dir
 
+    from bench.cli import CONF_DIR  # importing the CLI registers the typed nodes (run alone, nothing else has)
     from workloads import WORKLOAD_SETTINGS
     from workloads.sources import resolved_settings
 
     assert set(WORKLOAD_SETTINGS) == set(WORKLOADS)
-    conf = str(Path(__file__).resolve().parent.parent / "conf")
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for name, node in WORKLOAD_SETTINGS.items():
             cfg = compose("config", overrides=[f"workload={name}"])
             assert [k for k in cfg.workload] == [f.name for f in dataclasses.fields(node)]
