@@ -1,0 +1,131 @@
+"""A soak: does a long sweep leave the sweep process where it started? Not a test: it runs for an
+hour and measures this machine. Two phases, each one `specsweep` process sampled from outside
+every few seconds (psutil: its resident memory, open file descriptors and threads; the engine
+servers it starts are its children and are sampled apart):
+
+  load  llama-server under a fixed arrival rate through specsweep, for --minutes (jobs of
+        --job-requests requests an arm, seeds 0, 1, ... so each job sends new prompts; the
+        server is started once and reused, as a sweep reuses it)
+  jobs  --jobs small jobs in one sweep process (the native engine, the default model, one
+        prompt of 8 tokens each: the per-job paths, not the decode loop)
+
+  python benchmarks/soak.py --out docs/measurements/DATE-soak [--minutes 60] [--jobs 50]
+  python benchmarks/soak.py --render docs/measurements/DATE-soak   # index.md from its data
+
+The folder gets samples.csv (every sample), index.csv (one row per phase: the first and last
+minute's medians, the peak, and the growth) and environment.json; index.md is generated."""
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SAMPLE_S = 5.0
+RATE = 0.5  # requests/s: about a quarter of this 2-core machine's decode at 32 tokens a request
+
+
+def load_phase(minutes: float, job_requests: int) -> list[str]:
+    """The load phase's sweep: enough rate jobs to fill `minutes` (each arm of a job takes about
+    job_requests / RATE seconds)."""
+    jobs = max(1, math.ceil(minutes * 60 / (2 * job_requests / RATE)))
+    return ["backend=llamacpp_server", "method=ngram", "workload=chat", "load=rate", f"load.level={RATE}",
+            f"load.num_requests={job_requests}", "max_new_tokens=32", "repeats=1", "warmup=false",
+            f"seed=range(0,{jobs})", "slo.ttft_ms=3600000", "slo.tpot_ms=3600000", "report=false"]
+
+
+def jobs_phase(jobs: int) -> list[str]:
+    return ["method=ngram", "workload=chat", "batch_size=1", "num_prompts=1", "max_new_tokens=8", "repeats=1",
+            "warmup=false", f"seed=range(0,{jobs})", "report=false"]
+
+
+def sample_process(cmd: list[str], phase: str, log: Path) -> list[dict]:
+    """Run one sweep, sampling it (and, apart, its children) until it exits."""
+    import psutil
+
+    rows, t0 = [], time.time()
+    with open(log, "wb") as out:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = psutil.Process(p.pid)
+        while p.poll() is None:
+            try:
+                with proc.oneshot():
+                    row = {"phase": phase, "t_s": round(time.time() - t0, 1), "rss_mib": proc.memory_info().rss / 2 ** 20,
+                           "fds": proc.num_fds(), "threads": proc.num_threads()}
+                kids = proc.children(recursive=True)
+                row["children"] = len(kids)
+                row["children_rss_mib"] = sum(k.memory_info().rss for k in kids if k.is_running()) / 2 ** 20
+                rows.append(row)
+            except psutil.Error:  # the process ended between the poll and the sample
+                pass
+            time.sleep(SAMPLE_S)
+    if p.returncode != 0:
+        raise SystemExit(f"phase {phase}: the sweep exited with {p.returncode}; its output is in {log}")
+    return rows
+
+
+def summarize(samples, phase: str, jobs: int) -> dict:
+    """One phase's row: medians of its first and last minute (after the first minute, when the
+    model and engine are loaded), the peak, and the growth between them."""
+    import numpy as np
+
+    s = samples[samples.phase == phase]
+    settled = s[s.t_s >= 60] if (s.t_s >= 120).any() else s
+    first, last = settled[settled.t_s <= settled.t_s.min() + 60], settled[settled.t_s >= settled.t_s.max() - 60]
+    row = {"phase": phase, "duration_min": round(s.t_s.max() / 60, 1), "jobs": jobs, "samples": len(s)}
+    for col in ("rss_mib", "fds", "threads", "children_rss_mib"):
+        a, b = float(np.median(first[col])), float(np.median(last[col]))
+        row.update({f"{col}_first_min": round(a, 1), f"{col}_last_min": round(b, 1), f"{col}_peak": round(float(s[col].max()), 1)})
+    row["rss_growth_mib"] = round(row["rss_mib_last_min"] - row["rss_mib_first_min"], 1)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="the measurement folder to write")
+    ap.add_argument("--minutes", type=float, default=60.0, help="the load phase's length (default 60)")
+    ap.add_argument("--job-requests", type=int, default=60, help="requests per arm of each load job (default 60)")
+    ap.add_argument("--jobs", type=int, default=50, help="small jobs in the jobs phase (default 50)")
+    ap.add_argument("--render", type=Path, help="only write index.md of an existing folder")
+    a = ap.parse_args(argv)
+    from bench.published import render, write_folder
+
+    if a.render:
+        print(render(a.render))
+        return 0
+    if not a.out:
+        ap.error("give --out DIR (or --render DIR)")
+    if a.minutes <= 0 or a.jobs < 1 or a.job_requests < 1:
+        ap.error("--minutes, --jobs and --job-requests must be positive")
+    import pandas as pd
+
+    results = Path(tempfile.mkdtemp(prefix="specsweep-soak-"))
+    base = [sys.executable, "-m", "bench.cli", "-m", f"results_dir={results}"]
+    phases = [("load", load_phase(a.minutes, a.job_requests)), ("jobs", jobs_phase(a.jobs))]
+    samples, commands = [], []
+    for name, overrides in phases:
+        cmd = base + [f"sweep_name={name}"] + overrides
+        commands.append("specsweep -m " + " ".join(cmd[5:]))
+        print(f"phase {name}: {' '.join(cmd[3:])}", flush=True)
+        samples += sample_process(cmd, name, results / f"{name}.log")
+    df = pd.DataFrame(samples)
+    a.out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(a.out / "samples.csv", index=False)
+    n_jobs = {name: len(list((results / name).glob("*/summary.json"))) for name, _ in phases}
+    rows = pd.DataFrame([summarize(df, name, n_jobs[name]) for name, _ in phases])
+    write_folder(a.out, rows, "Soak: the sweep process's memory, files and threads over a long run",
+                 [f"python benchmarks/soak.py --out {a.out} --minutes {a.minutes:g} --jobs {a.jobs}", *commands],
+                 note=f"Samples every {SAMPLE_S:g} s ([samples.csv](samples.csv)); first/last minute: medians after "
+                      "the first minute; children: the engine servers the sweep started.")
+    print(render(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
