@@ -23,8 +23,9 @@ from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOu
                            SettingError, check_positive_seconds, checked_settings)
 
 
-from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, counter_delta, detokenize, get, llama_margins_across_shapes,
-                      metrics_page, own_and_aggregate, read_counters, serve_load, spec_counters, tokenize)
+from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, Access, api_key_from_env, counter_delta, detokenize, get,
+                      grant, llama_margins_across_shapes, metrics_page, own_and_aggregate, read_counters, refused,
+                      serve_load, spec_counters, tokenize)
 
 PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -42,6 +43,10 @@ class EndpointConfig(BackendConfig):
     model: str | None = None  # the served model's name (OpenAI servers); null = the first of GET /v1/models
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
+    # the NAME of an environment variable holding the deployments' API key (vLLM's --api-key, a
+    # gateway's bearer token), sent as "Authorization: Bearer"; the key itself is never in a config
+    api_key_env: str | None = None
+    ca_bundle: str | None = None  # a PEM file of the CA that signed an https deployment's certificate; null = the system's
 
     def __post_init__(self):
         for key in ("url", "baseline_url"):
@@ -55,6 +60,15 @@ class EndpointConfig(BackendConfig):
             raise ValueError(f"backend.url and backend.baseline_url are both {self.url}: the baseline must be the same "
                              "model served without speculation, at its own URL")
         check_positive_seconds(request_timeout_s=self.request_timeout_s, connect_timeout_s=self.connect_timeout_s)
+        if self.ca_bundle is not None and not Path(self.ca_bundle).expanduser().is_file():
+            raise ValueError(f"backend.ca_bundle={self.ca_bundle!r} is not a file; give the PEM file of the CA that "
+                             "signed the deployment's certificate, or null for the system's CAs")
+
+    def access(self) -> Access:
+        """The deployments' credentials: the key read from the environment now (a ValueError naming
+        the variable where it holds none), the CA bundle."""
+        return Access(api_key_from_env(self.api_key_env),
+                      str(Path(self.ca_bundle).expanduser()) if self.ca_bundle else None)
 
 
 class Endpoint:
@@ -64,8 +78,11 @@ class Endpoint:
         import httpx
 
         self.url, self.role, self.timeout = url, role, cfg.request_timeout_s
+        access = cfg.access()
+        grant(url, access)
         try:
             props = get(url + "/props", cfg.connect_timeout_s)
+            refused(props, url, role, cfg.api_key_env)
             self.llama = props.status_code == 200 and "total_slots" in props.text
             self.slots = props.json().get("total_slots") if self.llama else None
             if self.llama:
@@ -75,6 +92,7 @@ class Endpoint:
                 self.served = Path(path).stem if path else None
             else:
                 models = get(url + "/v1/models", cfg.connect_timeout_s)
+                refused(models, url, role, cfg.api_key_env)
                 if models.status_code != 200:
                     raise ValueError(f"backend.{role}={url} answers neither llama-server's /props nor /v1/models "
                                      f"({models.status_code}): not an OpenAI-compatible LLM server")
@@ -84,6 +102,9 @@ class Endpoint:
                 self.model = cfg.model or names[0]
                 self.served = self.model
         except httpx.HTTPError as e:
+            if "CERTIFICATE_VERIFY_FAILED" in str(e):
+                raise ValueError(f"backend.{role}={url}: its TLS certificate is not trusted here ({e}); give "
+                                 "backend.ca_bundle=FILE, the PEM of the CA that signed it") from None
             raise ValueError(f"backend.{role}={url}: no server answers there ({type(e).__name__}: {e}); start it, or "
                              "fix the URL") from e
         self.protocol = "llama_completion" if self.llama else "openai_stream"
@@ -134,7 +155,8 @@ class OpenAIEndpointBackend(Backend):
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
-        checked_settings(settings, EndpointConfig)  # the URLs' form; whether they answer is known when the job starts
+        # the URLs' form and that the key's variable is set; whether they answer is known when the job starts
+        checked_settings(settings, EndpointConfig).access()
 
     def latency_contract(self) -> dict:
         streamed = not self.servers[True].llama

@@ -24,12 +24,76 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from bench.backend import BackendError, EngineTimeout, LoadPlan, RequestOutput, Sampling, SpecCounters
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request to a server of ours
+
+
+# --- the client's credentials for a server --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Access:
+    """What a server wants of its clients: a bearer key (read by the adapter from the environment
+    variable its config names; held in memory only, never in a repr, a config, a row or a log) and
+    the CA bundle (PEM) an https server's certificate is checked against (None: the system's)."""
+    api_key: str | None = field(default=None, repr=False)
+    ca_bundle: str | None = None
+
+    def client_options(self) -> dict:
+        import ssl
+
+        out: dict = {}
+        if self.api_key:
+            out["headers"] = {"Authorization": f"Bearer {self.api_key}"}
+        if self.ca_bundle:
+            out["verify"] = ssl.create_default_context(cafile=self.ca_bundle)
+        return out
+
+
+# Base URL -> its Access, set by the adapter that found or started the server (grant). A registry
+# rather than a parameter: every request function, GET and POST below reaches a server by its URL,
+# so the credentials follow the URL instead of being threaded through each call.
+_ACCESS: dict[str, Access] = {}
+
+
+def grant(url: str, access: Access) -> None:
+    _ACCESS[url.rstrip("/")] = access
+
+
+def api_key_from_env(variable: str | None) -> str | None:
+    """The key held by the environment variable a config names (backend.api_key_env); a
+    ValueError naming the variable where it is unset or empty."""
+    import os
+
+    if not variable:
+        return None
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ValueError(f"backend.api_key_env={variable}: the environment variable {variable} holds no key here; "
+                         f"export {variable}=<the key> before the sweep, or set backend.api_key_env=null for a server "
+                         "without one")
+    return key
+
+
+def refused(response, url: str, role: str, key_env: str | None) -> None:
+    """A server's 401 or 403 to the first request of a job: a ValueError (a configuration error)
+    saying whether a key was missing or not taken, never what the key is."""
+    if response.status_code in (401, 403):
+        raise ValueError(
+            f"backend.{role}={url} refused the request ({response.status_code}): "
+            + (f"it does not take the key in ${key_env}; check it" if key_env else
+               "it wants an API key; set backend.api_key_env to the name of an environment variable holding it"))
+
+
+def client_options(url: str) -> dict:
+    """httpx options (headers, verify) for a request to url: its server's Access, if granted."""
+    for base, access in _ACCESS.items():
+        if url == base or url.startswith(base + "/"):
+            return access.client_options()
+    return {}
 
 
 # --- one request function per protocol ----------------------------------------------------------
@@ -55,10 +119,36 @@ def _finished_by(reason: str | None) -> str:
     return "eos" if reason in ("stop", "eos") else "length"
 
 
+class StatusFailure(BackendError):
+    """A request answered with an HTTP status other than 200."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 async def _check(r, what: str, engine: str):
     if r.status_code != 200:
         body = (await r.aread()).decode(errors="replace")[:400]
-        raise BackendError(f"{engine} answered {what} with {r.status_code}: {body}")
+        hint = (" (the server wants a key it was not given: backend.api_key_env names the environment variable "
+                "holding it)" if r.status_code in (401, 403) else "")
+        raise StatusFailure(f"{engine} answered {what} with {r.status_code}{hint}: {body}", r.status_code)
+
+
+def failure_kind(e: BaseException) -> str | None:
+    """A failed request's kind (RequestOutput.error), or None for an error that is not the
+    server's or the connection's (a bug: it propagates)."""
+    import httpx
+
+    if isinstance(e, StatusFailure):
+        return f"http_{e.status}"
+    if isinstance(e, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(e, httpx.ConnectError):
+        return "connect"
+    if isinstance(e, (httpx.HTTPError, json.JSONDecodeError)):  # closed mid-answer, a stream cut short
+        return "disconnected"
+    return None
 
 
 def request_body(protocol: str, q: Request) -> dict:
@@ -220,7 +310,7 @@ def own_and_aggregate(reqs, aggregate: SpecCounters | None) -> tuple[SpecCounter
     responses' own counts summed where every response carried them (no other client's request can
     enter them), the server's aggregate counters then kept beside them as the cross-check; else the
     aggregate counters alone."""
-    own = [r.spec_counters for r in reqs]
+    own = [r.spec_counters for r in reqs if r.error is None]  # a failed request has no answer to count
     if own and all(c is not None for c in own):
         return sum(own[1:], own[0]), aggregate
     return aggregate, None
@@ -242,8 +332,11 @@ def serve_load(protocol: str, url: str, prompts, sampling: Sampling, max_new_tok
     (plan.arrivals_s; the server queues what it cannot run yet). Each request's latencies count
     from its own submission (RequestOutput.submitted_s, seconds since the run began). Returns the
     outputs in prompt order and the run's wall time (its start to the last answer). Bounded: one
-    request per prompt, each within timeout_s. A request that got no answer in time is an
-    EngineTimeout, any other failure a BackendError, each with the server log's tail."""
+    request per prompt, each within timeout_s. A request that fails (a status other than 200, a
+    connection closed or refused, no answer in time) while others are answered is kept as an
+    output with its error's kind and nothing else (the harness decides what a run with failures
+    is worth); a run whose every request failed raises: an EngineTimeout if they all timed out,
+    else a BackendError naming the first failure, each with the server log's tail."""
     import httpx
 
     request = PROTOCOLS[protocol]
@@ -252,7 +345,7 @@ def serve_load(protocol: str, url: str, prompts, sampling: Sampling, max_new_tok
 
     async def run():
         limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
-        async with httpx.AsyncClient(limits=limits) as client:
+        async with httpx.AsyncClient(limits=limits, **client_options(url)) as client:
             start = time.perf_counter()
             gate = asyncio.Semaphore(width)  # FIFO: in a closed loop requests go in prompt order
 
@@ -261,20 +354,34 @@ def serve_load(protocol: str, url: str, prompts, sampling: Sampling, max_new_tok
                     await asyncio.sleep(max(0.0, start + plan.arrivals_s[i] - time.perf_counter()))
                 async with gate:
                     t0 = time.perf_counter()
-                    out = await request(client, Request(url, prompts[i], sampling, max_new_tokens, t0, timeout_s, **fields))
+                    try:
+                        out = await request(client, Request(url, prompts[i], sampling, max_new_tokens, t0, timeout_s,
+                                                            **fields))
+                    except Exception as e:
+                        kind = failure_kind(e)
+                        if kind is None:
+                            raise
+                        failures.append(e)
+                        out = RequestOutput([], None, None, error=kind)
                 out.submitted_s = t0 - start
                 return out
 
             outs = await asyncio.gather(*(one(i) for i in range(n)))
             return list(outs), time.perf_counter() - start
 
+    failures: list[Exception] = []
     try:
-        return asyncio.run(run())
+        outs, wall = asyncio.run(run())
+        if n and len(failures) == n:  # nothing answered: the engine's failure, not the run's
+            raise next((e for e in failures if not isinstance(e, httpx.TimeoutException)), failures[0])
+        return outs, wall
     except httpx.TimeoutException as e:
         raise EngineTimeout(f"{engine} gave no answer in time ({type(e).__name__}: {e}); raise "
                             f"backend.request_timeout_s if the engine is only slow. Its log ends with:\n{log_tail()}") from e
     except httpx.HTTPError as e:
         raise BackendError(f"{engine} request failed: {type(e).__name__}: {e}; its log ends with:\n{log_tail()}") from e
+    except StatusFailure as e:
+        raise BackendError(f"{e}; its log ends with:\n{log_tail()}") from e
 
 
 def send_batch(protocol: str, url: str, prompts, sampling: Sampling, max_new_tokens: int, timeout_s: float,
@@ -291,7 +398,7 @@ def get(url: str, timeout_s: float):
     status; an unreachable server or a timeout raises httpx.HTTPError for the caller to name."""
     import httpx
 
-    return httpx.get(url, timeout=timeout_s)
+    return httpx.get(url, timeout=timeout_s, **client_options(url))
 
 
 def answers(url: str, timeout_s: float = 2.0) -> bool:
@@ -317,7 +424,7 @@ def post_json(url: str, path: str, body: dict, engine: str, timeout_s: float = 6
     import httpx
 
     try:
-        r = httpx.post(url + path, json=body, timeout=timeout_s)
+        r = httpx.post(url + path, json=body, timeout=timeout_s, **client_options(url))
     except httpx.HTTPError as e:
         raise BackendError(f"{engine}: {url}{path}: {type(e).__name__}: {e}") from e
     if r.status_code != 200:

@@ -27,7 +27,7 @@ from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOu
 from bench.methods import knobs, synthetic_rates
 
 from .processes import Pool, Worker
-from .serving import VLLM_COUNTERS, CounterNames, counter_delta, spec_counters
+from .serving import VLLM_COUNTERS, CounterNames, api_key_from_env, counter_delta, spec_counters
 from .vllm_env import PLUGIN, has_timing_plugin, vllm_python
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp", "suffix", "synthetic")
@@ -50,6 +50,9 @@ class VLLMConfig(BackendConfig):
     enforce_eager: bool = True
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0  # one request (server mode) or one batch (offline)
+    # server mode only: the NAME of an environment variable holding a key; the server is started
+    # wanting it (vLLM's VLLM_API_KEY, as --api-key does) and every request sends it
+    api_key_env: str | None = None
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -137,12 +140,17 @@ class VLLMBackend(Backend):
     ttft_source, emit_granularity = "engine", "none"
     supported_methods = METHODS
     config_cls = VLLMConfig
+    serves_http = False  # offline: no server (vllm_server starts one, which may want a key)
 
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         from backends.native.loading import resolve_model_path  # the GGUF or folder export_hf_folder reads
 
-        checked_settings(settings, VLLMConfig, cls.name)
+        cfg = checked_settings(settings, VLLMConfig, cls.name)
+        if cfg.api_key_env and not cls.serves_http:
+            raise ValueError(f"backend.api_key_env={cfg.api_key_env}: backend {cls.name} runs vLLM in process, with no "
+                             "server to protect; use backend=vllm_server")
+        api_key_from_env(cfg.api_key_env)
         resolve_model_path(str(model["path"]))
 
     @classmethod
@@ -213,7 +221,7 @@ class VLLMBackend(Backend):
             raise ValueError(f"batch_size={batch} is above backend.max_num_seqs={self.cfg.max_num_seqs}; raise "
                              "backend.max_num_seqs so the whole batch is scheduled together")
         kw = self._llm_kwargs(self.spec if speculative else None)
-        key = json.dumps([self.name, self.python, kw], sort_keys=True)
+        key = json.dumps([self.name, self.python, kw, self.cfg.api_key_env], sort_keys=True)
         name = (self.spec or {}).get("method", "baseline") if speculative else "baseline"
         return Pool.get(key, lambda: self._start(kw, self.logdir / f"{self.name}-{name}.log"))
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from bench.backend import BatchOutput, LoadPlan, Sampling
 
 from .processes import ServerProcess, cli_flags
-from .serving import VLLM_COUNTERS, detokenize, own_and_aggregate, read_counters, serve_load, tokenize
+from .serving import (VLLM_COUNTERS, Access, api_key_from_env, detokenize, grant, own_and_aggregate, read_counters,
+                      serve_load, tokenize)
 from .vllm import VLLMBackend, _delta, plugin_env
 
 def spec_counters_from_metrics(text: str) -> dict:
@@ -50,10 +51,14 @@ def returns_request_acceptance(python: str) -> bool:
 class VLLMServer(ServerProcess):
     """One vLLM OpenAI-compatible server."""
 
-    def __init__(self, python: str, kw: dict, log: Path, timeout_s: float):
+    def __init__(self, python: str, kw: dict, log: Path, timeout_s: float, api_key: str | None = None):
         self.model = kw["model"]
+        # a key goes in the server's environment (VLLM_API_KEY), not on its command line, which is
+        # in its log and in every process listing
+        env = (lambda step_log: {**plugin_env(step_log), "VLLM_API_KEY": api_key}) if api_key else plugin_env
         super().__init__(lambda port: [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
-                                       str(port)] + cli_flags(kw), log, timeout_s, "vLLM's server", plugin_env)
+                                       str(port)] + cli_flags(kw), log, timeout_s, "vLLM's server", env)
+        grant(self.url, Access(api_key))
 
     def counters(self) -> dict:
         return spec_counters_from_metrics(self.metrics_page())
@@ -63,11 +68,12 @@ class VLLMServerBackend(VLLMBackend):
     name = "vllm_server"
     ttft_source, emit_granularity = "client", "chunk"  # streamed /v1/completions, stamped per chunk
     load_kinds = ("concurrency", "rate")  # vLLM's scheduler batches continuously
+    serves_http = True
 
     def _start(self, kw: dict, log: Path) -> VLLMServer:
         if "speculative_config" in kw and returns_request_acceptance(self.python):
             kw = {**kw, "per_request_spec_decode_metrics": "summary"}  # each response's own acceptance
-        return VLLMServer(self.python, kw, log, self.cfg.startup_timeout_s)
+        return VLLMServer(self.python, kw, log, self.cfg.startup_timeout_s, api_key_from_env(self.cfg.api_key_env))
 
     def tokenize(self, text: str) -> list[int]:
         s = self._engine(False, 1)

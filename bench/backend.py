@@ -45,6 +45,10 @@ class RequestOutput:
     # Under load (Backend.serve): when the request was submitted, in seconds since the load run
     # began; its ttft_s, e2e_s and emit_times_s then count from that moment. A static batch: 0.
     submitted_s: float = 0.0
+    # A request that failed while others of its run were answered: the kind of failure (http_500,
+    # http_429, disconnected: the connection closed mid-answer, connect: refused, timeout), with
+    # no output. A run whose every request failed is an error of the engine instead.
+    error: str | None = None
 
 
 @dataclass

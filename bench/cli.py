@@ -16,6 +16,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .config import ConfigError, register_configs
+from .results import FAILED_STATUSES
 from .summary import TABLE_COLUMNS
 
 log = logging.getLogger("specsweep")
@@ -227,7 +228,7 @@ class SweepSummary(Callback):
         if df.empty:
             return
         print_table(df, title=f"specsweep: {sweep_dir}")
-        errors = df[df.status.isin(["error", "timeout"])]
+        errors = df[df.status.isin(FAILED_STATUSES)]
         for _, r in errors.iterrows():
             log.error("job %s: %s", r.job, r.error)
         report_failed = False
@@ -244,7 +245,8 @@ class SweepSummary(Callback):
                       f"{e}; rerun it with `specsweep-report {sweep_dir}`", file=sys.stderr)
                 report_failed = True
         if len(errors):  # some jobs failed (their rows, the table and the report are written)
-            print(f"specsweep: {len(errors)} of {len(df)} jobs failed (status=error or timeout)", file=sys.stderr)
+            print(f"specsweep: {len(errors)} of {len(df)} jobs failed (status=error or timeout) or lost requests "
+                  "(status=partial)", file=sys.stderr)
         if len(errors) or report_failed:
             raise SystemExit(1)
 

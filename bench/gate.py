@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dataclasses import asdict, fields
 
-from .results import JobKey, find_sweep_dirs, load_summaries, write_json
+from .results import FAILED_STATUSES, JobKey, find_sweep_dirs, load_summaries, write_json
 from .summary import GATE_NUMERIC as NUMERIC, GATE_RECORDED as RECORDED
 
 FORMAT = "specsweep-gate-baseline"
@@ -142,7 +142,7 @@ def compare(df, baseline: dict, tolerances: dict, speedup_tol: float, throughput
             rows += _speed_checks(key, m, r, speedup_tol, throughput_tol)
     for key in sorted(set(now) - set(baseline["jobs"])):
         r = now[key]
-        if r.get("status") in ("error", "timeout"):  # a failed job fails the gate, recorded or not
+        if r.get("status") in FAILED_STATUSES:  # a failed job fails the gate, recorded or not
             rows.append((key, "status", "-", r.get("status"), str(r.get("error"))[:80], "FAIL"))
         else:
             rows.append((key, "job", "-", r.get("status"), "", "new"))
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         check_rows(df, sweeps[0])
         path = Path(a.baseline)
         if a.update:
-            failed = df[df.status.isin(["error", "timeout"])]
+            failed = df[df.status.isin(FAILED_STATUSES)]
             if len(failed) and not a.allow_failed:
                 print(f"specsweep-gate: not recorded: {len(failed)} of {len(df)} jobs failed ("
                       + ", ".join(failed.job_dir.astype(str)) + "); fix them, or pass --allow-failed to record the "

@@ -140,18 +140,34 @@ def level_label(load: dict) -> str:
 
 
 def run_metrics(req: pd.DataFrame, wall_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
-    """One load run's rates: requests/s, output tokens/s, goodput (requests/s within every SLO
-    given; a request whose TTFT or TPOT is unknown does not count as within it)."""
+    """One load run's rates: requests/s and output tokens/s of the answered requests, goodput
+    (requests/s within every SLO given; a failed request, or one whose TTFT or TPOT is unknown,
+    does not count as within it), and the share of the submitted requests within them."""
     n = len(req)
-    ok = pd.Series(True, index=req.index)
+    failed = req.error.notna() if "error" in req.columns else pd.Series(False, index=req.index)
+    ok = ~failed
     if slo_ttft_ms is not None:
         ok &= req.ttft_s.fillna(math.inf) * 1e3 <= slo_ttft_ms
     if slo_tpot_ms is not None:
         # a one-token answer has no TPOT: it cannot miss that SLO
         ok &= (req.tpot_s * 1e3 <= slo_tpot_ms) | (req.n_output <= 1)
-    return {"request_throughput": n / wall_s if wall_s > 0 else math.nan,
+    return {"request_throughput": int((~failed).sum()) / wall_s if wall_s > 0 else math.nan,
             "output_tokens_per_s": float(req.n_output.sum()) / wall_s if wall_s > 0 else math.nan,
-            "goodput_rps": float(ok.sum()) / wall_s if wall_s > 0 else math.nan, "slo_met_share": float(ok.mean()) if n else math.nan}
+            "goodput_rps": float(ok.sum()) / wall_s if wall_s > 0 else math.nan,
+            "slo_met_share": float(ok.mean()) if n else math.nan}
+
+
+def request_errors(base_req: pd.DataFrame, spec_req: pd.DataFrame) -> dict:
+    """The failed requests of a load point by arm and kind ({"spec": {"http_500": 3}, ...}, only
+    arms with failures), and the share of both arms' requests that failed."""
+    by_arm, n, failed = {}, 0, 0
+    for arm, req in (("baseline", base_req), ("spec", spec_req)):
+        n += len(req)
+        if "error" in req.columns and req.error.notna().any():
+            kinds = req.error.dropna().value_counts()
+            by_arm[arm] = {str(k): int(v) for k, v in kinds.items()}
+            failed += int(kinds.sum())
+    return {"request_errors": by_arm or None, "request_error_rate": failed / n if n else math.nan}
 
 
 def tpot_speedup(base_req: pd.DataFrame, spec_req: pd.DataFrame) -> dict:

@@ -13,15 +13,27 @@ log = logging.getLogger("specsweep")
 MAX_NUMERICS_PROBES = 32  # distinct divergences a job asks its engine about (each a few short forwards)
 
 
+def finished(req):
+    """The requests that were answered (under load a request may have failed: no output to compare)."""
+    return req[req.error.isna()] if "error" in req.columns else req
+
+
+def first_answers(base_req):
+    """Per request, the baseline's first answered output (its first repeat's, where it was answered)."""
+    return finished(base_req).sort_values("repeat", kind="stable").drop_duplicates("request_id").set_index("request_id")
+
+
 def compare_outputs(c, base_req, spec_req):
     """Greedy: every spec output must equal the baseline's, token for token. Returns (verdict,
     divergences, near-ties, detail): each output that differs is a divergence, to be weighed
     (weigh_divergences) before it counts as a failure; near-ties are known only then (0 here)."""
     if c["temperature"] > 0:
         return "n/a", 0, 0, []
-    ref = base_req[base_req.repeat == base_req.repeat.min()].set_index("request_id")
+    ref = first_answers(base_req)
     detail = []
-    for _, r in spec_req.iterrows():
+    for _, r in finished(spec_req).iterrows():
+        if r.request_id not in ref.index:  # no baseline answer to hold it to (it failed in every repeat)
+            continue
         i = metrics.first_divergence(list(r.output_token_ids), list(ref.loc[r.request_id].output_token_ids))
         if i is not None:
             detail.append({"request_id": r.request_id, "repeat": int(r["repeat"]), "position": i, "near_tie": False})
@@ -42,7 +54,7 @@ def weigh_divergences(backend: Backend, c: dict, base_req, spec_req, detail: lis
     first MAX_NUMERICS_PROBES distinct ones stay failures; the measured outputs are already
     written, so nothing here can lose them. `keep_going()` false re-raises a probe's exception
     (the job's own time limit went off inside it)."""
-    ref = base_req[base_req.repeat == base_req.repeat.min()].set_index("request_id")
+    ref = first_answers(base_req)
     spec_out = spec_req.set_index(["request_id", "repeat"]).output_token_ids
     shapes = list(range(1, c["num_speculative_tokens"] + 2)) + [0]
     asked: dict = {}

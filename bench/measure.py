@@ -19,7 +19,7 @@ import pandas as pd
 from hydra.utils import get_class
 
 from . import environment, load
-from .backend import CYCLE_FIELDS, Backend, BatchOutput, Sampling, SpecCounters
+from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, Sampling, SpecCounters
 from .results import (MANIFEST, baseline_identity, file_lock, incomplete_reason, read_json, short_hash, write_json,
                       write_manifest, write_parquet)
 
@@ -87,8 +87,8 @@ def request_record(q, contract: dict, n_prompt: int) -> dict:
     itl = list(np.diff(q.emit_times_s)) if contract["emit_granularity"] != "none" and len(q.emit_times_s) > 1 else []
     return {"drafted": q.drafted, "accepted": q.accepted, "output_token_ids": q.output_token_ids,
             "n_prompt": n_prompt, "n_output": n, "ttft_s": ttft, "e2e_s": e2e,
-            "tpot_s": (e2e - ttft) / (n - 1) if n > 1 else math.nan, "itl_s": itl, "finished_by": q.finished_by,
-            "submitted_s": q.submitted_s}
+            "tpot_s": (e2e - ttft) / (n - 1) if n > 1 else math.nan, "itl_s": itl,
+            "finished_by": "error" if q.error else q.finished_by, "submitted_s": q.submitted_s, "error": q.error}
 
 
 def latency(q, contract: dict) -> tuple[float, float]:
@@ -195,6 +195,11 @@ def measure_batch(backend, m: Measurement, ids, bi: int, idx: list[int], c, repe
         out = backend.generate([ids[i] for i in idx], sp, c["max_new_tokens"], speculative=m.kind == "spec")
     else:
         out = backend.serve([ids[i] for i in idx], sp, c["max_new_tokens"], m.kind == "spec", plan)
+    failed = [q.error for q in out.requests if q.error]
+    if failed and plan is None:  # a static batch is the pairing unit: its wall time means nothing with holes in it
+        raise BackendError(f"{len(failed)} of {len(out.requests)} requests of a static batch failed "
+                           f"({', '.join(sorted(set(failed)))}); a batch's figures need every answer (under load, "
+                           "a run keeps the answered requests and counts the failures)")
     missing = set(CYCLE_FIELDS) - set(out.cycles[0]) if out.cycles else set()
     if missing:  # an adapter's trace without a field every metric of a cycle needs: its bug, said plainly
         raise RuntimeError(f"backend {c['backend']['name']}: its cycle records lack {', '.join(sorted(missing))} "

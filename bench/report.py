@@ -316,7 +316,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     lines += flags_markdown(df)
     errs = df[df.status != "ok"]
     if len(errs):
-        lines += ["## Jobs that did not complete", ""] + [f"- `{r.job}`: {r.status}: {r.error}" for _, r in errs.iterrows()] + [""]
+        lines += ["## Jobs that did not complete, or lost requests", ""] + [f"- `{r.job}`: {r.status}: {r.error}" for _, r in errs.iterrows()] + [""]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in made] + [""]
     from .decision import decide, engine_classes, markdown as decision_markdown
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pandas as pd
 
 COMPLETE_STATUSES = ("ok", "skipped")
+# statuses that fail a sweep (exit 1) and a gate; partial: measured under load with failed requests
+FAILED_STATUSES = ("error", "timeout", "partial")
 
 
 def _file_identity(path: Path) -> str:

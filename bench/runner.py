@@ -95,6 +95,11 @@ def _run_guarded(job: JobSpec, progress_factory) -> dict:
         served = (out.get("engine") or {}).get("served_model")
         if served:  # an engine serving a model of its own (a running deployment): the row names that model
             out["model"] = served
+        if out.get("request_errors"):  # under load some requests failed: measured, but not whole
+            kinds = "; ".join(f"{arm}: " + ", ".join(f"{n} {k}" for k, n in by.items())
+                              for arm, by in out["request_errors"].items())
+            return {**out, "status": "partial", "error": f"{out['request_error_rate']:.1%} of the requests failed "
+                                                         f"({kinds}); the figures rest on the answered ones"}
         return {**out, "status": "ok"}
     except WorkloadUnavailable as e:
         log.warning("skipped %s: %s", jdir.name, e)

@@ -112,22 +112,31 @@ def test_a_sweep_of_load_points_against_running_llama_servers(llama_servers, tmp
 
 
 @pytest.mark.slow
-def test_running_vllm_servers_measured_from_outside(tmp_path):
+def test_running_vllm_servers_measured_from_outside(tmp_path, monkeypatch):
     """Two vLLM OpenAI servers (one drafting with the target itself, one plain) started by the
-    test; the endpoint adapter finds their model, streams from both, and reads acceptance from the
-    speculative one's /metrics: a self-draft accepts every token, outputs equal the baseline's."""
+    test, both wanting an API key (backend.api_key_env: vLLM's VLLM_API_KEY, as --api-key); the
+    endpoint adapter, given the key the same way, finds their model, streams from both, and reads
+    acceptance from the speculative one's /metrics: a self-draft accepts every token, outputs equal
+    the baseline's. The key is in no file the servers or the adapters wrote."""
     from backends.processes import Pool
     from backends.vllm_server import VLLMServerBackend
     from bench.tiny_models import build_tiny_llama
 
+    key = "sk-vllm-test-4d2b8e"
+    monkeypatch.setenv("SPECSWEEP_TEST_KEY", key)
     folder = build_tiny_llama(tmp_path / "tiny", hidden=256, heads=4, kv_heads=2, layers=8)
     Pool.stop_all()
     starter = VLLMServerBackend({"path": str(folder)}, {"name": "draft_model", "draft_path": str(folder)},
-                                num_speculative_tokens=3, gpu_memory_utilization=0.05, max_model_len=512, max_num_seqs=4)
+                                num_speculative_tokens=3, gpu_memory_utilization=0.05, max_model_len=512, max_num_seqs=4,
+                                api_key_env="SPECSWEEP_TEST_KEY")
     starter.set_artifact_dir(tmp_path)
     try:
         base_url, spec_url = starter._engine(False, 2).url, starter._engine(True, 2).url
-        b = OpenAIEndpointBackend({"path": "-"}, {"name": "draft_model"}, 3, url=spec_url, baseline_url=base_url)
+        assert httpx.get(base_url + "/v1/models", timeout=10).status_code == 401  # the server wants its key
+        with pytest.raises(ValueError, match="it wants an API key"):
+            OpenAIEndpointBackend({"path": "-"}, {"name": "draft_model"}, 3, url=spec_url, baseline_url=base_url)
+        b = OpenAIEndpointBackend({"path": "-"}, {"name": "draft_model"}, 3, url=spec_url, baseline_url=base_url,
+                                  api_key_env="SPECSWEEP_TEST_KEY")
         assert b.describe()["protocol"] == "openai_stream" and b.servers[True].counter_names is not None
         ids = [b.tokenize("def foo(x):\n    return x + 1\n"), b.tokenize("import os\nimport sys\n")]
         base = b.generate(ids, Sampling(), 12, speculative=False)
@@ -138,6 +147,8 @@ def test_running_vllm_servers_measured_from_outside(tmp_path):
         assert all(0 < r.ttft_s <= r.e2e_s for r in spec.requests)
     finally:
         Pool.stop_all()
+    logs = [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".log", ".jsonl")]
+    assert logs and not [p for p in logs if key.encode() in p.read_bytes()]
 
 
 @pytest.mark.slow

@@ -190,6 +190,7 @@ def load_summary(c: dict, got: "Measured") -> dict:
     for prefix, arm in (("", got.spec), ("baseline_", got.baseline)):
         out.update(_arm_serving(prefix, arm, slo, goodput))
     out.update(load.tpot_speedup(got.baseline.requests, got.spec.requests))
+    out.update(load.request_errors(got.baseline.requests, got.spec.requests))
     out["goodput_ratio"] = (out["goodput_rps"] / out["baseline_goodput_rps"] if out["baseline_goodput_rps"] > 0
                             else math.nan)
     out.update(load.ratios_by_order(got.baseline.requests, got.spec.requests, goodput["baseline_"], goodput[""],
