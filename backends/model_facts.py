@@ -82,7 +82,10 @@ def _cached_gguf_facts(path: Path) -> ModelFacts:
 def _gguf_facts(path: Path) -> ModelFacts:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, KeyError, IndexError) as e:  # the reader's own checks (its magic, its header)
+        raise ValueError(f"model file {str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
     def field(key):
         f = reader.fields.get(key)

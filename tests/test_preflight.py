@@ -92,3 +92,10 @@ def test_a_deployment_or_an_engine_sizing_its_own_memory_is_held_to_the_context_
     with pytest.raises(ValueError, match="context window holds 32768"):
         check_job(_cfg("backend=vllm", "method=ngram", "workload=chat", "batch_size=1", "num_prompts=1",
                        "max_new_tokens=40000", "backend.max_model_len=65536", f"results_dir={tmp_path}"))
+
+
+def test_a_model_file_that_is_not_gguf_is_refused_by_the_pre_check_naming_it(tmp_path):
+    fake = tmp_path / "notes.gguf"
+    fake.write_text("these are my notes, not a model")
+    with pytest.raises(ValueError, match=r"model file '.*notes.gguf' is not a readable GGUF file"):
+        check_job(_cfg("model=local", f"model.path={fake}", "method=ngram", "workload=chat", f"results_dir={tmp_path}"))

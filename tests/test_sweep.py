@@ -82,10 +82,17 @@ def test_resume_skips_completed_jobs_and_force_reruns(tmp_path, tiny_llama):
 
 
 def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path, tiny_llama):
-    """A model file that passes every check before the run (it exists, it is named .gguf) but is
-    not a GGUF fails its job at load time: an error row, the other job runs, exit status 1."""
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"not a gguf file at all")
+    """A model that passes every check before the run (a folder with config.json, a safetensors
+    file whose header reads) but whose weights were cut short fails its job at load time: an error
+    row naming the file, the other job runs, exit status 1."""
+    import shutil
+    import struct
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    weights = next(broken.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:8 + struct.unpack("<Q", data[:8])[0] + 16])  # the header and 16 bytes of tensors
     r = specsweep(f"results_dir={tmp_path}", "sweep_name=fail", "model=local", f"model.path={broken},{tiny_llama}",
                   "method=ngram", "workload=chat", "batch_size=1", "num_prompts=2", "max_new_tokens=6", "repeats=1")
     assert r.returncode == 1, r.stderr[-2000:]
@@ -93,7 +100,7 @@ def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path, tiny_llama):
     idx = pd.read_parquet(tmp_path / "fail" / "index.parquet")
     assert sorted(idx.status) == ["error", "ok"]
     err = idx[idx.status == "error"].iloc[0]
-    assert "broken.gguf" in err.error
+    assert "broken/model.safetensors' cannot be read" in err.error and "damaged or incomplete" in err.error
     assert "did not complete" in (tmp_path / "fail" / "report" / "summary.md").read_text()
 
 

@@ -116,7 +116,12 @@ def load_hf_state(folder: Path, args: ModelArgs, dtype: torch.dtype = torch.floa
     names = _hf_name_map(args)
     state = {}
     for f in files:
-        for name, t in load_file(str(f)).items():
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # safetensors' own error names no file: a damaged or truncated download
+            raise ValueError(f"weights file {str(f)!r} cannot be read ({type(e).__name__}: {e}); it is damaged or "
+                             "incomplete: copy or download it again") from None
+        for name, t in tensors.items():
             name = name.removeprefix("language_model.")
             if name not in names:
                 continue
