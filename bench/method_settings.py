@@ -89,6 +89,16 @@ class DraftModel(DraftVocabKnob, DraftLayersKnob, DraftPathKnob, Method):
 
 
 @dataclass
+class QuantizedDraft(DraftVocabKnob, Method):
+    """A quantized self-draft: the target's own weights at `bits` (weight-only: int8 per output row,
+    or int4 in groups) draft for it, a copy that reads 4x or 8x fewer bytes a step than a float32
+    target and needs no training."""
+    name: str = "quantized_draft"
+    drafter: str = "model"
+    bits: int = 8  # 8 (int8, one scale per row) or 4 (int4, a scale and an offset per group of up to 128 inputs)
+
+
+@dataclass
 class Eagle(HeadKnob, Method):
     """EAGLE (v1) head: fc([embedding, target feature]) -> one decoder layer -> the target's output
     head, drafting a chain of k tokens."""
@@ -233,7 +243,7 @@ class Synthetic(Method):
 
 # The registry: every method a sweep can name (`method=NAME`), in the order the docs list them.
 METHODS: dict[str, type[Method]] = {cls().name: cls for cls in (
-    Autoregressive, Ngram, DraftModel, Eagle, Eagle3, PEagle, Mtp, LayerSkip, Combined, Adaptive, NgramCache,
+    Autoregressive, Ngram, DraftModel, QuantizedDraft, Eagle, Eagle3, PEagle, Mtp, LayerSkip, Combined, Adaptive, NgramCache,
     NgramMapK, NgramMapK4v, NgramMod, PromptLookupLib, Suffix, Synthetic)}
 
 

@@ -18,15 +18,16 @@ from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate, margins_across_shapes, max_len_for, setup
 from .scheduler import serve
 from .loading import load_model
+from .quantized import BITS, quantized_copy
 from .config import NativeConfig
 from .model import Transformer
 from .sampling import SamplingParams
 
-METHODS = ("autoregressive", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
+METHODS = ("autoregressive", "ngram", "draft_model", "quantized_draft", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
            "synthetic", "adaptive")
 # what an adaptive policy may choose between: drafters that keep to their own rows' state
-ADAPTIVE_DRAFTERS = ("ngram", "draft_model", "eagle", "eagle3", "p_eagle", "mtp")
-NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp")
+ADAPTIVE_DRAFTERS = ("ngram", "draft_model", "quantized_draft", "eagle", "eagle3", "p_eagle", "mtp")
+NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp", "quantized_draft")
 log = logging.getLogger("specsweep")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
 
@@ -113,10 +114,17 @@ class NativeBackend(Backend):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         from .loading import resolve_model_path
 
-        checked_settings(settings, NativeConfig)
+        cfg = checked_settings(settings, NativeConfig)
         resolve_model_path(model["path"])
         if method.get("name") == "adaptive":
             adaptive_policy(method)
+        if method.get("name") == "quantized_draft":
+            bits = knobs("quantized_draft", method)["bits"]
+            if bits not in BITS:
+                raise ValueError(f"method.bits={bits} is not valid; use one of {', '.join(map(str, BITS))}")
+            if cfg.device != "cpu":
+                raise ValueError(f"method quantized_draft runs torch's CPU kernels for int8 and int4 weights; "
+                                 f"backend.device={cfg.device} is not cpu")
         for key in ("draft_path", "head_path"):
             if method.get(key):
                 from pathlib import Path
@@ -138,6 +146,9 @@ class NativeBackend(Backend):
         facts = model_facts(resolve_model_path(model["path"]))
         parts = {"weights": facts.params * b, "KV cache": facts.kv_bytes(rows * tokens_per_row, b)}
         drafts = method.get("name") == "draft_model" or "draft_model" in str(method.get("policy") or "")
+        if method.get("name") == "quantized_draft" or "quantized_draft" in str(method.get("policy") or ""):
+            bits = knobs("quantized_draft", method)["bits"]
+            parts.update({"draft weights": facts.params * bits // 8, "draft KV cache": facts.kv_bytes(rows * tokens_per_row, b)})
         if drafts and method.get("draft_path"):
             draft = model_facts(resolve_model_path(method["draft_path"]))
             parts.update({"draft weights": draft.params * b, "draft KV cache": draft.kv_bytes(rows * tokens_per_row, b)})
@@ -184,7 +195,9 @@ class NativeBackend(Backend):
         modules = [self.model]
         for obj in (self.drafter, getattr(self.drafter, "neural", None)):  # a combined drafter's head too
             modules += [m for m in (getattr(obj, "model", None), getattr(obj, "head", None)) if isinstance(m, torch.nn.Module)]
-        return [p for m in modules for p in (m.matrices() if isinstance(m, Transformer) else m.parameters()) if p.dim() == 2]
+        # a quantized draft's matrices run their own kernels (backends/native/quantized.py): not tuned
+        return [p for m in modules for p in (m.matrices() if isinstance(m, Transformer) else m.parameters())
+                if isinstance(p, torch.Tensor) and p.dim() == 2]
 
     def _make_drafter(self, name: str, m: dict):
         k, n_layers, vocab = self.k, self.args.n_layers, m.get("draft_vocab")
@@ -197,6 +210,12 @@ class NativeBackend(Backend):
             return ngram_drafter(m, k)
         if name == "draft_model":
             return self._draft_model(m, vocab, vocab_note)
+        if name == "quantized_draft":
+            bits = knobs("quantized_draft", m)["bits"]
+            if bits not in BITS:
+                raise ValueError(f"method.bits={bits} is not valid; use one of {', '.join(map(str, BITS))}")
+            return ModelDrafter(quantized_copy(self.model, bits), k,
+                                f"the target's own weights at int{bits} (weight-only){vocab_note}", vocab)
         if name == "layer_skip":
             skip = sorted(set(m.get("skip_layers") or []))
             bad = [i for i in skip if not 0 <= i < n_layers]

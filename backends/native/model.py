@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from . import kernels
 from .config import COMPILE_MODES
+from .quantized import QuantizedWeight
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 COMPILED_MAX_T = 32  # decode and verify shapes; a prefill (as long as its prompt) runs eager
@@ -64,7 +65,11 @@ class ModelArgs:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T (+ bias). On CPU through the product kernels.tune() measured fastest on this
-    machine for this weight's shape and this many rows (F.linear until tuned); on CUDA F.linear."""
+    machine for this weight's shape and this many rows (F.linear until tuned); on CUDA F.linear. A
+    quantized weight (a quantized self-draft's, backends/native/quantized.py) runs its own kernel."""
+    if isinstance(weight, QuantizedWeight):
+        y = weight.linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
     if x.device.type != "cpu" or torch.compiler.is_compiling():  # a compiled step: the compiler picks the product
         return F.linear(x, weight, bias)
     shape = x.shape
