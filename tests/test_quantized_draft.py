@@ -47,7 +47,8 @@ def test_a_quantized_self_draft_is_lossless_and_accepted(tiny_llama, bits):
     assert drafted > 0
     if bits == 8:
         assert accepted / drafted > 0.6, accepted / drafted
-    assert f"int{bits}" in b.describe()["drafter"]
+    d = b.describe()
+    assert f"int{bits}" in d["drafter"] and 0 < d["drafter_weight_bytes_per_step"] < b.weight_bytes_per_step() * bits / 24
 
 
 def test_bad_bits_and_a_gpu_are_refused_before_the_model_loads():

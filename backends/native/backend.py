@@ -18,7 +18,7 @@ from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate, margins_across_shapes, max_len_for, setup
 from .scheduler import serve
 from .loading import load_model
-from .quantized import BITS, quantized_copy
+from .quantized import BITS, QuantizedWeight, quantized_bytes, quantized_copy
 from .config import NativeConfig
 from .model import Transformer
 from .sampling import SamplingParams
@@ -396,6 +396,10 @@ class NativeBackend(Backend):
              "threads": torch.get_num_threads(), "model_arch": self.args.arch, "model_resolved": str(self.resolved),
              "drafter": getattr(self.drafter, "label", "none"),
              "compile": self.cfg.compile or "eager"}  # how the decode/verify steps ran (prefill is always eager)
+        draft = getattr(self.drafter, "model", None)
+        if isinstance(draft, Transformer) and isinstance(getattr(draft.lm_head, "weight", None), QuantizedWeight):
+            # what a quantized self-draft reads a step (beside the target's weight_bytes_per_step)
+            d["drafter_weight_bytes_per_step"] = quantized_bytes(draft, self.drafter.vocab_limit)
         if self.cfg.device.startswith("cuda"):
             d["gpu"] = torch.cuda.get_device_name(self.cfg.device)
         else:

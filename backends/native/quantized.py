@@ -135,9 +135,11 @@ def quantized_copy(model, bits: int):
     return draft
 
 
-def quantized_bytes(model) -> int:
-    """Bytes of quantized weights one step of a quantized copy reads (every matrix once)."""
-    total = model.lm_head.weight.nbytes()
+def quantized_bytes(model, vocab_limit: int | None = None) -> int:
+    """Bytes of quantized weights one step of a quantized copy reads (every matrix once; the output
+    head's first vocab_limit rows where the draft is limited to them)."""
+    head = model.lm_head.weight
+    total = (head if vocab_limit is None else head[:vocab_limit]).nbytes()
     for b in model.layers:
         total += sum(w.nbytes() for w in (b.attn.wqkv, b.attn.wo.weight, b.ffn.w_gate_up, b.ffn.w_down.weight))
     return total
