@@ -3,21 +3,24 @@ hour and measures this machine. Two phases, each one `specsweep` process sampled
 every few seconds (psutil: its resident memory, open file descriptors and threads; the engine
 servers it starts are its children and are sampled apart):
 
-  load  llama-server under a fixed arrival rate through specsweep, for --minutes (jobs of
-        --job-requests requests an arm, seeds 0, 1, ... so each job sends new prompts; the
-        server is started once and reused, as a sweep reuses it)
+  load  llama-server under a fixed arrival rate through specsweep for --minutes, then stopped
+        with SIGTERM as a scheduler stops a job (jobs of --job-requests requests an arm, seeds
+        0, 1, ... so each job sends new prompts; the server is started once and reused, as a
+        sweep reuses it)
   jobs  --jobs small jobs in one sweep process (the native engine, the default model, one
         prompt of 8 tokens each: the per-job paths, not the decode loop)
 
   python benchmarks/soak.py --out docs/measurements/DATE-soak [--minutes 60] [--jobs 50]
   python benchmarks/soak.py --render docs/measurements/DATE-soak   # index.md from its data
 
-The folder gets samples.csv (every sample), index.csv (one row per phase: the first and last
+The folder gets samples.csv (every sample, appended as it is taken: a soak cut short keeps what it
+measured), index.csv (one row per phase: the first and last
 minute's medians, the peak, and the growth) and environment.json; index.md is generated."""
 from __future__ import annotations
 
 import argparse
 import math
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,13 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SAMPLE_S = 5.0
+FIELDS = ["phase", "t_s", "rss_mib", "fds", "threads", "children", "children_rss_mib"]
 RATE = 0.5  # requests/s: about a quarter of this 2-core machine's decode at 32 tokens a request
 
 
 def load_phase(minutes: float, job_requests: int) -> list[str]:
-    """The load phase's sweep: enough rate jobs to fill `minutes` (each arm of a job takes about
-    job_requests / RATE seconds)."""
-    jobs = max(1, math.ceil(minutes * 60 / (2 * job_requests / RATE)))
+    """The load phase's sweep: more rate jobs than `minutes` can hold (each arm of a job takes at
+    least job_requests / RATE seconds); it is stopped when the time is up."""
+    jobs = 4 * max(1, math.ceil(minutes * 60 / (2 * job_requests / RATE)))
     return ["backend=llamacpp_server", "method=ngram", "workload=chat", "load=rate", f"load.level={RATE}",
             f"load.num_requests={job_requests}", "max_new_tokens=32", "repeats=1", "warmup=false",
             f"seed=range(0,{jobs})", "slo.ttft_ms=3600000", "slo.tpot_ms=3600000", "report=false"]
@@ -45,15 +49,25 @@ def jobs_phase(jobs: int) -> list[str]:
             "warmup=false", f"seed=range(0,{jobs})", "report=false"]
 
 
-def sample_process(cmd: list[str], phase: str, log: Path) -> list[dict]:
-    """Run one sweep, sampling it (and, apart, its children) until it exits."""
+def sample_process(cmd: list[str], phase: str, log: Path, samples_csv: Path, stop_after_s: float | None = None) -> list[dict]:
+    """Run one sweep, sampling it (and, apart, its children) until it exits, or until stop_after_s
+    when it is sent SIGTERM (its exit 143 is then the expected end). Each sample is appended to
+    samples_csv as it is taken."""
+    import csv
+
     import psutil
 
-    rows, t0 = [], time.time()
-    with open(log, "wb") as out:
+    rows, t0, stopped = [], time.time(), False
+    with open(log, "wb") as out, open(samples_csv, "a", newline="") as sink:
+        writer = csv.DictWriter(sink, fieldnames=FIELDS)
+        if sink.tell() == 0:
+            writer.writeheader()
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         proc = psutil.Process(p.pid)
         while p.poll() is None:
+            if stop_after_s is not None and not stopped and time.time() - t0 >= stop_after_s:
+                p.send_signal(signal.SIGTERM)  # the time is up: stopped as a scheduler stops a job
+                stopped = True
             try:
                 with proc.oneshot():
                     row = {"phase": phase, "t_s": round(time.time() - t0, 1), "rss_mib": proc.memory_info().rss / 2 ** 20,
@@ -62,10 +76,12 @@ def sample_process(cmd: list[str], phase: str, log: Path) -> list[dict]:
                 row["children"] = len(kids)
                 row["children_rss_mib"] = sum(k.memory_info().rss for k in kids if k.is_running()) / 2 ** 20
                 rows.append(row)
+                writer.writerow(row)
+                sink.flush()
             except psutil.Error:  # the process ended between the poll and the sample
                 pass
             time.sleep(SAMPLE_S)
-    if p.returncode != 0:
+    if p.returncode != 0 and not (stopped and p.returncode == 143):
         raise SystemExit(f"phase {phase}: the sweep exited with {p.returncode}; its output is in {log}")
     return rows
 
@@ -109,14 +125,15 @@ def main(argv=None) -> int:
     base = [sys.executable, "-m", "bench.cli", "-m", f"results_dir={results}"]
     phases = [("load", load_phase(a.minutes, a.job_requests)), ("jobs", jobs_phase(a.jobs))]
     samples, commands = [], []
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "samples.csv").unlink(missing_ok=True)
     for name, overrides in phases:
         cmd = base + [f"sweep_name={name}"] + overrides
         commands.append("specsweep -m " + " ".join(cmd[5:]))
         print(f"phase {name}: {' '.join(cmd[3:])}", flush=True)
-        samples += sample_process(cmd, name, results / f"{name}.log")
+        samples += sample_process(cmd, name, results / f"{name}.log", a.out / "samples.csv",
+                                  a.minutes * 60 if name == "load" else None)
     df = pd.DataFrame(samples)
-    a.out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(a.out / "samples.csv", index=False)
     n_jobs = {name: len(list((results / name).glob("*/summary.json"))) for name, _ in phases}
     rows = pd.DataFrame([summarize(df, name, n_jobs[name]) for name, _ in phases])
     write_folder(a.out, rows, "Soak: the sweep process's memory, files and threads over a long run",
