@@ -30,6 +30,58 @@ from .policies import Policy, PolicyError, _draft_length
 BLOCK_CELLS = 1 << 14
 
 
+def _plan_layout(G: np.ndarray):
+    """Where each lane's choices go: lanes ranked longest first (order, and each lane's rank), the
+    last position any plans (top), per position the lanes still planning there (a prefix of the
+    ranking) and where that position's rows start."""
+    order = np.argsort(-G, kind="stable")  # longest first
+    rank = np.empty(len(G), dtype=np.int64)
+    rank[order] = np.arange(len(G))
+    top = int(G.max(initial=0))
+    planning = np.searchsorted(-G[order], -np.arange(top + 1), side="left")  # lanes with G - 1 >= cur
+    planning[0] = 0  # position 0 is prefill's
+    pos_start = np.concatenate(([0], np.cumsum(planning)[:-1])).astype(np.int64)
+    return order, rank, top, planning, pos_start
+
+
+def _cycle_seconds(lanes, drafters, A, pos, fi, K: int) -> np.ndarray:
+    """The seconds of a cycle from each of a block's positions (pos, their flat trace index fi),
+    per draft length k = 0..K, method and lane A: the verify of k + 1 tokens at the lane's batch and
+    KV length, the method's drafting, the per-step overhead; inf where a lookup found fewer than k."""
+    cost, ks = lanes.cost, np.arange(K + 1)
+    il = ks + 1
+    B = lanes.batch[A][None, None, :]
+    kv = B * (pos[:, None, None] + lanes.prompt_len[A][None, None, :] + 1)  # [positions, 1, A]
+    verify = cost.verify(kv, B * il[None, :, None])  # [positions, K + 1, A]
+    sec = np.empty((len(pos), K + 1, len(drafters), len(A)))
+    for w, dc in enumerate(drafters):
+        s = verify + np.where(ks[:, None] > 0, dc.time(verify, kv, il[None, :, None]), 0.0) + cost.overhead_per_step
+        # a lookup proposes at most what it found
+        sec[:, :, w] = np.where(lanes.has[A, w][None, None, :] & (ks[None, :, None] > lanes.drafted[w, fi][:, None, :]),
+                                np.inf, s)
+    return sec
+
+
+def _keep_choice(cand: np.ndarray, switch: np.ndarray | None, best_w, best_k, rows: slice) -> np.ndarray:
+    """One position's choice from its candidates cand [K + 1, W, n] (seconds to the end of each
+    (k, method) for n lanes): per previous method (with a switching cost, switch [W + 1, W]; else
+    one for all) the least-time method and its first least k, written into the plan's rows, and
+    the value of that choice returned ([W, n], or [n] without switching)."""
+    n = cand.shape[-1]
+    k = cand.argmin(0)  # [W, n]: the first k of the least time
+    least = cand.min(0)
+    if switch is not None:
+        tot = least[None] + switch[:, :, None]  # [W + 1, W, n]
+        w = tot.argmin(1)  # [W + 1, n]
+        best_w[rows] = w.T
+        best_k[rows] = k.reshape(-1)[w * n + np.arange(n)].T  # k of the method chosen, per previous
+        return tot.min(1)[:cand.shape[1]]
+    w = least.argmin(0)  # every previous method alike
+    best_w[rows] = w[:, None]
+    best_k[rows] = k[w, np.arange(n)][:, None]
+    return least.min(0)
+
+
 def solve(pol: Policy, lanes) -> SimpleNamespace:
     """The least-time plans of every lane (lanes.Lanes: requests x contexts) at once: per lane
     and position cur (1 .. G - 1) and previous method (W: none yet), the best (method, k) of the
@@ -43,22 +95,14 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
     positions are kept in a ring of slots (each lane's values 0 past its end), so no landing is
     looked up anywhere else."""
     W, K, cost = len(pol.methods), pol.k, lanes.cost
-    G = lanes.G
-    L = len(G)
-    order = np.argsort(-G, kind="stable")  # longest first
-    rank = np.empty(L, dtype=np.int64)
-    rank[order] = np.arange(L)
-    top = int(G.max(initial=0))
-    planning = np.searchsorted(-G[order], -np.arange(top + 1), side="left")  # lanes with G - 1 >= cur
-    planning[0] = 0  # position 0 is prefill's
-    pos_start = np.concatenate(([0], np.cumsum(planning)[:-1])).astype(np.int64)
+    L = len(lanes.G)
+    order, rank, top, planning, pos_start = _plan_layout(lanes.G)
     best_w = np.zeros((int(planning.sum()), W + 1), dtype=np.int8)
     best_k = np.zeros((int(planning.sum()), W + 1), dtype=np.int16)
     sw = cost.switching_cost if pol.charges_switching(lanes.accounting) else 0.0
     switch = sw * (np.arange(W + 1)[:, None] != np.arange(W)[None, :])  # [previous, method]
     switch[W] = 0.0  # the first cycle switches from nothing
-    ks = np.arange(K + 1)
-    il = ks + 1
+    il = np.arange(K + 1) + 1
     drafters = [cost.draft(m) for m in pol.methods]
     # V(cur, previous method): without a switching cost the previous method changes nothing, so one
     # value per position (Pv = 1) stands for all of them and each position's choice is one argmin.
@@ -80,15 +124,7 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
         pos = curs - 1
         # a lane shorter than the block reads past its own positions: clipped, and never used
         fi = np.minimum(pos[:, None] + lanes.offset[A][None, :], last_flat)  # [positions, A]
-        B = lanes.batch[A][None, None, :]
-        kv = B * (pos[:, None, None] + lanes.prompt_len[A][None, None, :] + 1)  # [positions, 1, A]
-        verify = cost.verify(kv, B * il[None, :, None])  # [positions, K + 1, A]
-        sec = np.empty((len(curs), K + 1, W, len(A)))
-        for w, dc in enumerate(drafters):
-            s = verify + np.where(ks[:, None] > 0, dc.time(verify, kv, il[None, :, None]), 0.0) + cost.overhead_per_step
-            # a lookup proposes at most what it found
-            sec[:, :, w] = np.where(lanes.has[A, w][None, None, :] & (ks[None, :, None] > lanes.drafted[w, fi][:, None, :]),
-                                    np.inf, s)
+        sec = _cycle_seconds(lanes, drafters, A, pos, fi, K)  # [positions, K + 1, W, A]
         acc = np.moveaxis(lanes.acc[:, fi], 0, 1)  # [positions, W, A]
         # where each choice lands: k + 1 <= acc_len at cur + k + 1 (ahead[k]), else at cur + acc_len
         # (ahead[acc_len - 1], read by its flat index in the ring less the slot's)
@@ -100,20 +136,8 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
             ahead = ring[first:first + K + 1, :, :n]  # [K + 1, Pv, n]: V(cur + 1 .. cur + K + 1)
             at_acc = flat[at_acc_index[i, :, :n] + first * plane]  # [W, n]
             cand = sec[i, :, :, :n] + np.where(beyond[i, :, :, :n], at_acc, ahead)  # [K + 1, W, n]
-            k = cand.argmin(0)  # [W, n]: the first k of the least time
-            least = cand.min(0)
             rows = slice(pos_start[cur], pos_start[cur] + n)
-            if sw:
-                tot = least[None] + switch[:, :, None]  # [W + 1, W, n]
-                w = tot.argmin(1)  # [W + 1, n]
-                best_w[rows] = w.T
-                best_k[rows] = k.reshape(-1)[w * n + np.arange(n)].T  # k of the method chosen, per previous
-                value = tot.min(1)[:W]
-            else:  # every previous method alike
-                w = least.argmin(0)
-                best_w[rows] = w[:, None]
-                best_k[rows] = k[w, np.arange(n)][:, None]
-                value = least.min(0)
+            value = _keep_choice(cand, switch if sw else None, best_w, best_k, rows)
             slot = cur % (K + 1)
             ring[slot, :, :n] = value
             ring[slot + K + 1, :, :n] = value
