@@ -34,85 +34,99 @@ def _summary(so) -> dict:
             "spec_tokens": int(sum(len(v) for v in spec.values())), "decode": decode}
 
 
-def install(path: str) -> None:
-    """Wrap the model runner's phases; idempotent (vLLM may load a plugin more than once)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    import torch
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+class _StepTimer:
+    """One engine process's timing of its steps: the step being timed (pending: its phase times
+    and shape), whether the drafter is running (the target's forwards inside it are drafting),
+    and the file each finished step is appended to."""
 
-    out = open(f"{path}", "a", buffering=1)  # one line per step, visible to the adapter at once
-    state = {"step": 0, "pending": None, "drafting": False}
+    def __init__(self, path: str):
+        import torch
 
-    def sync(runner):
+        self.torch = torch
+        self.out = open(f"{path}", "a", buffering=1)  # one line per step, visible to the adapter at once
+        self.step, self.pending, self.drafting = 0, None, False
+
+    def sync(self, runner):
         if getattr(getattr(runner, "device", None), "type", None) == "cuda":
-            torch.cuda.synchronize()
+            self.torch.cuda.synchronize()
 
-    def run_timed(runner, call, bucket):
-        p = state["pending"]
-        if p is None or (bucket == "verify" and state["drafting"]):
+    def run_timed(self, runner, call, bucket):
+        p = self.pending
+        if p is None or (bucket == "verify" and self.drafting):
             return call()
-        sync(runner)
+        self.sync(runner)
         t0 = time.perf_counter()
-        state["drafting"] = bucket == "draft"
+        self.drafting = bucket == "draft"
         try:
             return call()
         finally:
-            sync(runner)
-            state["drafting"] = False
+            self.sync(runner)
+            self.drafting = False
             p["t_" + bucket] += time.perf_counter() - t0
 
-    def timed(fn, bucket):
-        def wrapper(self, *a, **kw):
-            return run_timed(self, lambda: fn(self, *a, **kw), bucket)
+    def timed(self, fn, bucket):
+        def wrapper(runner, *a, **kw):
+            return self.run_timed(runner, lambda: fn(runner, *a, **kw), bucket)
         return wrapper
 
-    def time_target_logits(runner):
+    def time_target_logits(self, runner):
         # The target's logits count as verification. The CPU runner has its own load_model, so
         # the model's compute_logits is wrapped on first use rather than at load.
         model = runner.model
         if getattr(model, "_specsweep_timed", False):
             return
         orig = model.compute_logits
-        model.compute_logits = lambda *a, **kw: run_timed(runner, lambda: orig(*a, **kw), "verify")
+        model.compute_logits = lambda *a, **kw: self.run_timed(runner, lambda: orig(*a, **kw), "verify")
         model._specsweep_timed = True
 
-    orig_exec, orig_sample = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
-
-    def execute_model(self, scheduler_output, *a, **kw):
-        time_target_logits(self)
-        sync(self)
-        state["pending"] = p = {"t_verify": 0.0, "t_draft": 0.0, "t_total": 0.0, **_summary(scheduler_output)}
-        t0 = time.perf_counter()
-        try:
-            result = orig_exec(self, scheduler_output, *a, **kw)
-        finally:
-            sync(self)
-            p["t_total"] += time.perf_counter() - t0
-        if result is not None:  # finished without sampling (nothing scheduled, pipeline stage): no step
-            state["pending"] = None
-        return result
-
-    def sample_tokens(self, *a, **kw):
-        p = state["pending"]
-        t0 = time.perf_counter()
-        try:
-            return orig_sample(self, *a, **kw)
-        finally:
-            if p is not None:
-                sync(self)
+    def execute_model(self, orig):
+        def wrapper(runner, scheduler_output, *a, **kw):
+            self.time_target_logits(runner)
+            self.sync(runner)
+            self.pending = p = {"t_verify": 0.0, "t_draft": 0.0, "t_total": 0.0, **_summary(scheduler_output)}
+            t0 = time.perf_counter()
+            try:
+                result = orig(runner, scheduler_output, *a, **kw)
+            finally:
+                self.sync(runner)
                 p["t_total"] += time.perf_counter() - t0
-                p["t_other"] = max(p["t_total"] - p["t_verify"] - p["t_draft"], 0.0)
-                p["step"] = state["step"]
-                p["pid"] = os.getpid()
-                p["threads"] = torch.get_num_threads()  # vLLM's CPU backend binds its own (VLLM_CPU_OMP_THREADS_BIND)
-                state["step"] += 1
-                state["pending"] = None
-                out.write(json.dumps(p) + "\n")
+            if result is not None:  # finished without sampling (nothing scheduled, pipeline stage): no step
+                self.pending = None
+            return result
+        return wrapper
 
-    GPUModelRunner.execute_model = execute_model
-    GPUModelRunner.sample_tokens = sample_tokens
-    GPUModelRunner._model_forward = timed(GPUModelRunner._model_forward, "verify")
-    GPUModelRunner.propose_draft_token_ids = timed(GPUModelRunner.propose_draft_token_ids, "draft")
+    def sample_tokens(self, orig):
+        def wrapper(runner, *a, **kw):
+            p = self.pending
+            t0 = time.perf_counter()
+            try:
+                return orig(runner, *a, **kw)
+            finally:
+                if p is not None:
+                    self.sync(runner)
+                    self.finish(p, time.perf_counter() - t0)
+        return wrapper
+
+    def finish(self, p: dict, sampling_s: float) -> None:
+        p["t_total"] += sampling_s
+        p["t_other"] = max(p["t_total"] - p["t_verify"] - p["t_draft"], 0.0)
+        p["step"], p["pid"] = self.step, os.getpid()
+        p["threads"] = self.torch.get_num_threads()  # vLLM's CPU backend binds its own (VLLM_CPU_OMP_THREADS_BIND)
+        self.step += 1
+        self.pending = None
+        self.out.write(json.dumps(p) + "\n")
+
+
+def install(path: str) -> None:
+    """Wrap the model runner's phases; idempotent (vLLM may load a plugin more than once)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
+
+    t = _StepTimer(path)
+    Runner.execute_model = t.execute_model(Runner.execute_model)
+    Runner.sample_tokens = t.sample_tokens(Runner.sample_tokens)
+    Runner._model_forward = t.timed(Runner._model_forward, "verify")
+    Runner.propose_draft_token_ids = t.timed(Runner.propose_draft_token_ids, "draft")
