@@ -28,6 +28,40 @@ def check_plan(plan: LoadPlan, n: int) -> None:
                          f"{None if plan.arrivals_s is None else len(plan.arrivals_s)}")
 
 
+class _Slots:
+    """A run's requests as the plan submits them, and the KV-cache slots they hold: when each is
+    submitted since the run began (under a closed loop request N + j is submitted when the j-th
+    request finishes, so its time is unknown, None, until then), the free slots (a heap: the
+    lowest first), the next request to admit, and what admitting and finishing one does."""
+
+    def __init__(self, plan: LoadPlan, n: int, drafter: Drafter):
+        self.plan, self.n, self.drafter = plan, n, drafter
+        self.closed = plan.kind == "concurrency"
+        self.submit = ([0.0] * plan.concurrency + [None] * n)[:n] if self.closed else [float(t) for t in plan.arrivals_s]
+        self.free = list(range(plan.max_rows))
+        self.next = self.finished = 0
+
+    def due(self, now: float) -> bool:
+        """Whether the next request was submitted by `now` and a slot is free for it."""
+        return bool(self.free) and self.next < self.n and self.submit[self.next] is not None and self.submit[self.next] <= now
+
+    def take(self, rows: list[Row]) -> Row:
+        r = rows[self.next]
+        self.next += 1
+        r.slot, r.out.submitted_s = heapq.heappop(self.free), self.submit[r.req]
+        return r
+
+    def wait_s(self, now: float) -> float:
+        return max(0.0, self.submit[self.next] - now)
+
+    def leave(self, r: Row) -> None:
+        self.drafter.release(r.slot)  # engine.cycle released it already; a row done at prefill was not
+        heapq.heappush(self.free, r.slot)
+        if self.closed and self.plan.concurrency + self.finished < self.n:  # the closed loop submits the next request
+            self.submit[self.plan.concurrency + self.finished] = r.out.submitted_s + r.out.emit_times[-1]
+        self.finished += 1
+
+
 @torch.inference_mode()
 def serve(
     model: Target,
@@ -54,44 +88,29 @@ def serve(
     check_plan(plan, n)
     setup(model, drafter, plan.max_rows, max_len_for(prompts, max_new_tokens, drafter))
     rows = [Row(-1, i, list(p), RowOutput(list(p))) for i, p in enumerate(prompts)]
-    closed = plan.kind == "concurrency"
-    # When each request is submitted, since the run began; under a closed loop request N + j is
-    # submitted when the j-th request finishes, so it is unknown (None) until then.
-    submit = ([0.0] * plan.concurrency + [None] * n)[:n] if closed else [float(t) for t in plan.arrivals_s]
-    free = list(range(plan.max_rows))  # a heap: the lowest free slot first
+    slots = _Slots(plan, n, drafter)
     active: list[Row] = []
     cycles: list[dict] = []
-    nxt = finished = index = 0
-
-    def leave(r: Row):
-        nonlocal finished
-        drafter.release(r.slot)  # engine.cycle released it already; a row done at prefill was not
-        heapq.heappush(free, r.slot)
-        if closed and plan.concurrency + finished < n:  # the closed loop submits the next request
-            submit[plan.concurrency + finished] = r.out.submitted_s + r.out.emit_times[-1]
-        finished += 1
-
+    index = 0
     t_start = _clock(dev)
-    while nxt < n or active:
+    while slots.next < n or active:
         # Admission, at a cycle boundary: submitted requests in order, while a slot is free.
-        while free and nxt < n and submit[nxt] is not None and submit[nxt] <= _clock(dev) - t_start:
-            r = rows[nxt]
-            nxt += 1
-            r.slot, r.out.submitted_s = heapq.heappop(free), submit[r.req]
+        while slots.due(_clock(dev) - t_start):
+            r = slots.take(rows)
             if prefill(model, drafter, r, sp, gen, max_new_tokens, eos_ids, t_start):
                 active.append(r)
             else:
-                leave(r)
+                slots.leave(r)
         if not active:
-            if nxt < n:  # idle until the next arrival (only a rate plan can leave the engine idle)
-                sleep(max(0.0, submit[nxt] - (_clock(dev) - t_start)))
+            if slots.next < n:  # idle until the next arrival (only a rate plan can leave the engine idle)
+                sleep(slots.wait_s(_clock(dev) - t_start))
             continue
         active.sort(key=lambda r: r.slot)  # ascending slots: the cache reads them as one slice when contiguous
         t = _clock(dev) - t_start
         still, records = cycle(model, drafter, active, sp, gen, max_new_tokens, eos_ids, t_start, index)
         for r in active:
             if r not in still:
-                leave(r)
+                slots.leave(r)
         if trace:
             for r, rec in zip(active, records):
                 rec.update(slot=r.slot, t=t)
