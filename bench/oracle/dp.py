@@ -94,8 +94,7 @@ def solve(pol: Policy, lanes) -> SimpleNamespace:
     for k + 1 <= acc_len at cur + k + 1, else at cur + acc_len. The values of the next K + 1
     positions are kept in a ring of slots (each lane's values 0 past its end), so no landing is
     looked up anywhere else."""
-    W, K, cost = len(pol.methods), pol.k, lanes.cost
-    L = len(lanes.G)
+    W, K, cost, L = len(pol.methods), pol.k, lanes.cost, len(lanes.G)
     order, rank, top, planning, pos_start = _plan_layout(lanes.G)
     best_w = np.zeros((int(planning.sum()), W + 1), dtype=np.int8)
     best_k = np.zeros((int(planning.sum()), W + 1), dtype=np.int16)
