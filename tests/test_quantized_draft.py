@@ -54,3 +54,17 @@ def test_a_quantized_self_draft_is_lossless_and_accepted(tiny_llama, bits):
 def test_bad_bits_and_a_gpu_are_refused_before_the_model_loads():
     with pytest.raises(ValueError, match="method.bits=3 is not valid; use one of 8, 4"):
         NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "quantized_draft", "bits": 3}, 4)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("method", [{"name": "combined", "neural": "quantized_draft", "bits": 8},
+                                    {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:8:3"}])
+def test_the_quantized_draft_combines_with_ngram(tiny_llama, method):
+    """As combined's neural drafter (n-gram on a match, else the int8 copy) and as one of an
+    adaptive policy's drafters: lossless, and it drafts."""
+    b = NativeBackend({"path": str(tiny_llama)}, method, num_speculative_tokens=3)
+    ids = [b.tokenize("the quick brown fox jumps over the quick brown fox"), b.tokenize("import os\nimport sys\n")]
+    base = b.generate(ids, Sampling(), 20, speculative=False)
+    spec = b.generate(ids, Sampling(), 20, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    assert sum(c["drafted"] for c in spec.cycles) > 0 and sum(c["accepted"] for c in spec.cycles) > 0
