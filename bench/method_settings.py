@@ -149,7 +149,7 @@ class Combined(NgramKnobs, HeadKnob, Method):
     specsweep-oracle's combined bound over the same two methods."""
     name: str = "combined"
     drafter: str = "mixed"
-    neural: str = "eagle3"  # eagle, eagle3, p_eagle or mtp
+    neural: str = "eagle3"  # eagle, eagle3, p_eagle, mtp or quantized_draft
     min_match: int = 1  # n-gram drafts when its lookup proposes at least this many tokens
 
 
