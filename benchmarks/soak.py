@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import signal
 import subprocess
 import sys
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     (a.out / "samples.csv").unlink(missing_ok=True)
     for name, overrides in phases:
         cmd = base + [f"sweep_name={name}"] + overrides
-        commands.append("specsweep -m " + " ".join(cmd[5:]))
+        commands.append("specsweep -m " + shlex.join(cmd[5:]))  # quoted: range(0,N) is not a bare shell word
         print(f"phase {name}: {' '.join(cmd[3:])}", flush=True)
         samples += sample_process(cmd, name, results / f"{name}.log", a.out / "samples.csv",
                                   a.minutes * 60 if name == "load" else None)

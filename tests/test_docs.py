@@ -45,6 +45,9 @@ def documented_overrides() -> list[tuple[str, list[str]]]:
         for _, block in bash_blocks(page):
             for words in specsweep_commands(block):
                 overrides = [w for w in words if "=" in w and not w.startswith(("-", "hydra", "+hydra", "++hydra"))]
+                # Hydra's range(start, stop) or range(stop) sweep: its first value stands for it
+                overrides = [re.sub(r"=range\((-?\d+)(,[^)]*)?\)$", lambda m: "=" + (m.group(1) if m.group(2) else "0"), o)
+                             for o in overrides]
                 # a swept list: its first value stands for the rest (each is composed the same way)
                 where = f"{page.relative_to(ROOT)}: specsweep {' '.join(words)}"
                 # a swept list: each of its values composed, the other lists at their first value
