@@ -17,7 +17,7 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .cpu_probe import cache_root, file_identity
+from .cpu_probe import cache_root, file_identity, write_cached
 
 FACTS_VERSION = "2"
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
@@ -72,10 +72,7 @@ def _cached_gguf_facts(path: Path) -> ModelFacts:
         except (ValueError, TypeError):
             pass  # an unreadable entry: read the file again
     facts = _gguf_facts(path)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(facts)))
-    tmp.replace(cached)
+    write_cached(cached, asdict(facts))
     return facts
 
 
