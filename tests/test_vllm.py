@@ -242,22 +242,38 @@ def foreign_traffic_is_flagged_and_kept_out(b, ids):
 
     import httpx
 
-    url = next(s.url for key, s in Pool.live.items() if "speculative_config" in key)
-    stop = threading.Event()
+    server = next(s for key, s in Pool.live.items() if "speculative_config" in key)
+    stop, answered = threading.Event(), threading.Event()
 
     def other_client():
         with httpx.Client() as client:
             while not stop.is_set():
-                client.post(url + "/v1/completions", json={"model": str(b.model_path), "prompt": TEXTS[0],
-                                                           "max_tokens": 24, "temperature": 0}, timeout=120)
+                client.post(server.url + "/v1/completions", json={"model": str(b.model_path), "prompt": TEXTS[0],
+                                                                  "max_tokens": 24, "temperature": 0}, timeout=120)
+                answered.set()
 
+    # the other client starts right after the batch's first /metrics read, and the last read waits for
+    # one of its answers: its traffic falls inside the measured window however the threads are scheduled
     t = threading.Thread(target=other_client, daemon=True)
-    t.start()
+    read_counters, reads = server.counters, []
+
+    def counters():
+        if reads:
+            assert answered.wait(timeout=180), "the other client got no answer"
+        page = read_counters()
+        if not reads:
+            t.start()
+        reads.append(page)
+        return page
+
+    server.counters = counters
     try:
         got = b.generate(ids * 2, Sampling(), 48, speculative=True)
     finally:
         stop.set()
+        del server.counters
         t.join(timeout=180)
+    assert len(reads) == 2
     own = got.spec_counters
     assert vars(own) == vars(sum((r.spec_counters for r in got.requests[1:]), got.requests[0].spec_counters))
     assert own.accepted_tokens == own.draft_tokens  # self-drafting: the responses' own counts stay exact
