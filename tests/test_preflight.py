@@ -58,6 +58,11 @@ def test_a_job_over_the_memory_free_is_refused_with_its_parts_and_what_to_change
     monkeypatch.setattr(preflight, "memory_free", lambda device: 6 * 1024 ** 3)
     with pytest.raises(ValueError, match=r"draft KV cache 3\.2"):
         check_job(_cfg(*overrides[1:], "method=draft_model"))
+    # and so does a drafter that runs inside another method: combined's neural one, an adaptive policy's
+    for inner in (["method=combined", "method.neural=quantized_draft"],
+                  ["method=adaptive", "method.policy=match:ngram+draft_model:1:8:4"]):
+        with pytest.raises(ValueError, match=r"draft KV cache"):
+            check_job(_cfg(*overrides[1:], *inner))
 
 
 def test_llama_cpp_counts_a_sliding_window_layer_at_its_window_and_its_context_at_its_setting(tmp_path, monkeypatch):

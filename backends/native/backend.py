@@ -40,6 +40,14 @@ def greedy_with_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.exp(x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1))
 
 
+def drafters_in(m: dict) -> set[str]:
+    """The methods a job drafts with: its own, combined's neural one, an adaptive policy's choices."""
+    names = {m.get("name"), m.get("neural")}
+    if m.get("name") == "adaptive" and m.get("policy"):
+        names |= set(adaptive_policy(m)[0].methods)
+    return {n for n in names if n}
+
+
 def adaptive_policy(m: dict):
     """method=adaptive's policy (method.policy, in specsweep-oracle's --policies syntax; one of the
     realizable adaptive kinds) and, for policies that price their choices, a Context factory (by
@@ -145,8 +153,9 @@ class NativeBackend(Backend):
         b = BYTES_PER_ELEMENT[cfg.dtype]
         facts = model_facts(resolve_model_path(model["path"]))
         parts = {"weights": facts.params * b, "KV cache": facts.kv_bytes(rows * tokens_per_row, b)}
-        drafts = method.get("name") == "draft_model" or "draft_model" in str(method.get("policy") or "")
-        if method.get("name") == "quantized_draft" or "quantized_draft" in str(method.get("policy") or ""):
+        drafters = drafters_in(method)
+        drafts = "draft_model" in drafters
+        if "quantized_draft" in drafters:
             bits = knobs("quantized_draft", method)["bits"]
             parts.update({"draft weights": facts.params * bits // 8, "draft KV cache": facts.kv_bytes(rows * tokens_per_row, b)})
         if drafts and method.get("draft_path"):
