@@ -59,3 +59,28 @@ def http_bodies(monkeypatch):
 
     monkeypatch.setattr(httpx.AsyncClient, "send", recording)
     return sent
+
+
+# Running in parallel (pytest-xdist, `-n 2`; `--dist loadgroup` is in pyproject's addopts): each test
+# file runs whole on one worker, in its own order, so module fixtures are built once and a test may
+# look at what the file's earlier tests left. Files that look for the same engine processes by name
+# share one group, so no other file's engines appear in their before/after listings: vLLM's offline
+# workers (`pgrep -f backends.vllm_worker`), which test_load's vLLM job starts too. The longest groups
+# go first (the longest-processing-time-first rule: what runs last is short); their order is from
+# `--durations` of the full suite (docs/ci.md).
+SHARED_GROUPS = {"vllm": ("test_vllm.py", "test_load.py")}
+LONGEST_FIRST = ("vllm", "test_train_eagle.py", "test_launchers.py", "test_sweep.py", "test_docs.py",
+                 "test_openai_endpoint.py", "test_faults.py", "test_engine.py", "test_deployment_faults.py")
+
+
+def _group(path) -> str:
+    return next((group for group, files in SHARED_GROUPS.items() if path.name in files), path.name)
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # one process: the files' own order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item.path)))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item.path), len(rank)))  # stable: a file keeps its order
