@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +46,8 @@ from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOu
 
 
 from .processes import Pool, ServerProcess, Worker, cli_flags
-from .serving import (SGLANG_COUNTERS, counter_delta, read_counters, send_batch, serve_load, sglang_output,
-                      sglang_request_counts)
+from .serving import (SGLANG_COUNTERS, Access, api_key_from_env, counter_delta, grant, read_counters, send_batch,
+                      serve_load, sglang_output, sglang_request_counts)
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
 ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
@@ -68,6 +70,10 @@ class SGLangConfig(BackendConfig):
     disable_cuda_graph: bool = False
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0  # one request (server mode) or one batch (offline)
+    # server mode only: the NAME of an environment variable holding a key; the server is started
+    # wanting it (SGLang's api-key, given in a private --config file, not on its command line) and
+    # every request sends it
+    api_key_env: str | None = None
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -138,11 +144,28 @@ def sglang_python(configured: str | None) -> str:
 
 
 class SGLangServer(ServerProcess):
-    """One `python -m sglang.launch_server --enable-metrics` on 127.0.0.1."""
+    """One `python -m sglang.launch_server --enable-metrics` on 127.0.0.1. A key it should want
+    goes in a YAML file of launch_server's --config (srt/utils/server_args_config_parser.py reads
+    it at start), readable by this user only and deleted once the server is up: a key on the
+    command line would be in its log and in every process listing."""
 
-    def __init__(self, python: str, args: dict, log: Path, timeout_s: float):
-        super().__init__(lambda port: [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
-                                       "--enable-metrics"] + cli_flags(args), log, timeout_s, "SGLang's server")
+    def __init__(self, python: str, args: dict, log: Path, timeout_s: float, api_key: str | None = None):
+        private = Path(tempfile.mkdtemp(prefix="specsweep-sglang-")) if api_key else None  # mode 0700
+        flags = []
+        if private:
+            config = private / "server-args.yaml"
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string, quoted
+            flags = ["--config", str(config)]
+        try:
+            super().__init__(lambda port: [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port",
+                                           str(port), "--enable-metrics"] + cli_flags(args) + flags,
+                             log, timeout_s, "SGLang's server")
+        finally:
+            if private:
+                shutil.rmtree(private, ignore_errors=True)
+        grant(self.url, Access(api_key))
 
     def counters(self) -> dict:
         return metrics_counters(self.metrics_page())
@@ -159,7 +182,11 @@ class SGLangBackend(Backend):
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         from backends.native.loading import resolve_model_path  # the GGUF or folder export_hf_folder reads
 
-        checked_settings(settings, SGLangConfig, cls.name)
+        cfg = checked_settings(settings, SGLangConfig, cls.name)
+        if cfg.api_key_env and not cls.server:
+            raise ValueError(f"backend.api_key_env={cfg.api_key_env}: backend {cls.name} runs SGLang in process, with "
+                             "no server to protect; use backend=sglang_server")
+        api_key_from_env(cfg.api_key_env)
         resolve_model_path(str(model["path"]))
 
     @classmethod
@@ -198,11 +225,12 @@ class SGLangBackend(Backend):
             raise ValueError(f"{batch} rows at once (batch_size or load level) is above backend.max_running_requests="
                              f"{self.cfg.max_running_requests}; raise it so they all run together")
         args = self._args(speculative)
-        key = json.dumps([self.name, self.python, args], sort_keys=True)
+        key = json.dumps([self.name, self.python, args, self.cfg.api_key_env], sort_keys=True)
         kind = self.spec.get("speculative_algorithm", "baseline") if speculative else "baseline"
         log = self.logdir / f"{self.name}-{kind}.log"
         if self.server:
-            return Pool.get(key, lambda: SGLangServer(self.python, args, log, self.cfg.startup_timeout_s))
+            return Pool.get(key, lambda: SGLangServer(self.python, args, log, self.cfg.startup_timeout_s,
+                                                      api_key_from_env(self.cfg.api_key_env)))
         return Pool.get(key, lambda: Worker(self.python, "backends.sglang_worker", args, log, self.cfg.startup_timeout_s,
                                             "SGLang"))
 

@@ -7,6 +7,7 @@ present, and is reported as skipped otherwise."""
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,3 +313,89 @@ def test_sglang_server_serves_a_load_streamed_with_a_client_latency_contract_aga
     assert out.counters["verify_calls_match_meta_info"] is True
     assert out.requests[1].submitted_s >= 0.04
     assert b.latency_contract() == {"ttft_source": "client", "emit_granularity": "chunk"}
+
+
+# --- a key for a server specsweep starts: a stand-in launch_server process ------------------------
+# SGLang cannot start here, so `python -m sglang.launch_server` runs a stand-in package of the
+# test's own, with launch_server's argument names (--port, --config: the YAML that SGLang's
+# srt/utils/server_args_config_parser.py reads) and the check of SGLang's add_api_key_middleware
+# (every path but /health and /metrics wants `Authorization: Bearer <key>`, else 401).
+
+STAND_IN_LAUNCH_SERVER = '''
+import http.server, json, os, sys
+import yaml
+
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+config = args[args.index("--config") + 1] if "--config" in args else None
+key = yaml.safe_load(open(config))["api-key"] if config else None
+if config:
+    print("config file mode", oct(os.stat(config).st_mode & 0o777), "folder mode",
+          oct(os.stat(os.path.dirname(config)).st_mode & 0o777), flush=True)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def _send(self, code, body):
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200, "" if self.path.startswith("/metrics") else "ok")
+
+    def do_POST(self):
+        q = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if key and self.headers.get("Authorization") != "Bearer " + key:
+            return self._send(401, json.dumps({"error": "Unauthorized"}))
+        n = q["sampling_params"]["max_new_tokens"]
+        out = [(sum(q["input_ids"]) + i) % 1000 for i in range(n)]
+        self._send(200, json.dumps({"output_ids": out, "meta_info": {"completion_tokens": n,
+                                                                      "finish_reason": {"type": "length"}}}))
+
+    def log_message(self, *a):
+        pass
+
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_sglang_server_gets_its_key_in_a_private_config_file_against_a_stand_in_launch_server(tiny_llama, tmp_path,
+                                                                                             monkeypatch):
+    """backend=sglang_server with backend.api_key_env: the server is started wanting the key, which
+    reaches it in a --config YAML readable by this user only and deleted once the server is up (not
+    on its command line, not in its log); every request sends it. Offline sglang refuses the setting."""
+    from backends.processes import Pool
+    from backends.sglang import SGLangServerBackend
+    from bench.backend import Sampling
+
+    package = tmp_path / "stand_in" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(STAND_IN_LAUNCH_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    key = "sk-test-7f3a9c"
+    monkeypatch.setenv("SGL_TEST_KEY", key)
+    b = SGLangServerBackend({"path": str(tiny_llama)}, {"name": "ngram"}, num_speculative_tokens=K, python=str(python),
+                            api_key_env="SGL_TEST_KEY", startup_timeout_s=60)
+    b.set_artifact_dir(tmp_path / "logs")
+    (tmp_path / "logs").mkdir()
+    try:
+        out = b.generate([[1, 2, 3], [4]], Sampling(), 5, speculative=False)  # the stand-in answers 401 without it
+        server = next(iter(Pool.live.values()))
+        config = server.cmd[server.cmd.index("--config") + 1]
+    finally:
+        Pool.stop_all()
+    assert [r.output_token_ids for r in out.requests] == [[6, 7, 8, 9, 10], [4, 5, 6, 7, 8]]
+    assert key not in " ".join(server.cmd) and not Path(config).exists() and not Path(config).parent.exists()
+    log = (tmp_path / "logs" / "sglang_server-baseline.log").read_text()
+    assert "config file mode 0o600 folder mode 0o700" in log and key not in log
+    with pytest.raises(ValueError, match="runs SGLang in process, with no server to protect; use backend=sglang_server"):
+        SGLangBackend.check_config({"api_key_env": "SGL_TEST_KEY"}, {"path": str(tiny_llama)}, {"name": "ngram"}, K)
+    monkeypatch.delenv("SGL_TEST_KEY")
+    with pytest.raises(ValueError, match="environment variable SGL_TEST_KEY holds no key here"):
+        SGLangServerBackend.check_config({"api_key_env": "SGL_TEST_KEY"}, {"path": str(tiny_llama)}, {"name": "ngram"}, K)
