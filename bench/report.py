@@ -312,6 +312,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     lines += controls_markdown(controls)
     lines += load_markdown(df)
     lines += lengths_report.lengths_markdown(df)
+    lines += per_request_markdown(df)
     lines += speculation_profile.by_category_markdown(sweep_dir, df)
     lines += flags_markdown(df)
     errs = df[df.status != "ok"]
@@ -362,6 +363,25 @@ def controls_markdown(controls: pd.DataFrame) -> list[str]:
             lines.append(f"- **Flag** `{r.job}`: the A/A control {verdict}: ratios measured beside it on this engine "
                          "and load carry that bias.")
     return lines + [""]
+
+
+def per_request_markdown(df: pd.DataFrame) -> list[str]:
+    """The spread of acceptance over a job's requests beside its overall alpha. The overall figure
+    weighs each request by its drafts, so long completions count most; the percentiles say whether
+    every request accepts alike or a few carry the job."""
+    if "request_acceptance_p50" not in df.columns:
+        return []
+    d = df[pd.to_numeric(df.request_acceptance_p50, errors="coerce").notna()]
+    if d.empty:
+        return []
+    d = d.sort_values([c for c in ("backend", "method", "workload", "batch_size") if c in d.columns])
+    cols = ["backend", "method", "workload", "batch_size", "acceptance_rate", "request_acceptance_p10",
+            "request_acceptance_p50", "request_acceptance_p90", "request_acceptance_mean"]
+    return ["## Acceptance per request", "",
+            "acceptance_rate is the job's accepted over drafted tokens, every request's drafts summed: long "
+            "completions weigh most. The percentiles are over the requests' own rates (each request's accepted "
+            "over its drafted tokens): a wide p10-p90 says a few requests carry the "
+            "job's figure.", "", markdown_table(d, cols), ""]
 
 
 def flags_markdown(df: pd.DataFrame) -> list[str]:

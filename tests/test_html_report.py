@@ -41,6 +41,9 @@ def test_the_page_holds_the_summary_the_plots_and_every_job(report):
     assert page.count("<details id=") == 3 and "Controls (A/A)" in page
     assert "pairs behind the interval" in page and "Acceptance per draft position" in page
     assert "src=\"http" not in page and "<link" not in page  # nothing fetched: it opens offline
+    # the spread of acceptance over each job's requests, beside its overall alpha (two n-gram jobs)
+    section = summary.split("## Acceptance per request", 1)[1].split("\n## ", 1)[0]
+    assert section.count("| native | ngram | code_edit |") == 2 and "request_acceptance_p90" in section
 
 
 def _browser():
