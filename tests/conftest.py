@@ -77,6 +77,7 @@ def _group(path) -> str:
     return next((group for group, files in SHARED_GROUPS.items() if path.name in files), path.name)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return  # one process: the files' own order
