@@ -263,12 +263,15 @@ def main(argv=None) -> int:
     r.add_argument("--command", action="append", default=[], help="the command that made the sweep (repeatable)")
     r.add_argument("--note", default="")
     r.add_argument("--plot", action="append", default=[], help="a report plot to keep beside the data (repeatable)")
+    r.add_argument("--column", action="append", default=[],
+                   help="a row column to keep besides the default ones, e.g. verify_cost_ratio (repeatable)")
     f = sub.add_parser("fill", help="rewrite the marked figures of markdown files from their data")
     f.add_argument("paths", nargs="+", type=Path, help="markdown files or folders")
     f.add_argument("--check", action="store_true", help="change nothing; exit 1 naming every page that drifted")
     a = ap.parse_args(argv)
     if a.cmd == "record":
-        print(record(a.sweep_dir, a.out, a.title, a.command, a.note, plots=tuple(a.plot)) / "index.md")
+        columns = DEFAULT_COLUMNS + [c for c in a.column if c not in DEFAULT_COLUMNS]
+        print(record(a.sweep_dir, a.out, a.title, a.command, a.note, columns=columns, plots=tuple(a.plot)) / "index.md")
         return 0
     pages = {}
     for path in markdown_files(a.paths):

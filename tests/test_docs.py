@@ -87,6 +87,26 @@ def test_a_marker_fails_on_a_figure_the_data_does_not_have(tmp_path):
         published.fill_text("<!-- table no-such-run speedup --><!-- /table -->")
 
 
+def test_a_recorded_measurement_keeps_the_columns_asked_for(tmp_path, monkeypatch):
+    """record keeps the default columns, and a column named with --column besides them."""
+    import json
+
+    import pandas as pd
+
+    monkeypatch.setattr(published, "MEASUREMENTS", tmp_path)  # the folders' page is rendered from there
+
+    job = tmp_path / "sweep" / "native-ngram-chat-b1"
+    job.mkdir(parents=True)
+    (job / "summary.json").write_text(json.dumps({"job": job.name, "status": "ok", "backend": "native", "method": "ngram",
+                                                  "workload": "chat", "batch_size": 1, "speedup": 1.2,
+                                                  "verify_cost_ratio": 1.1, "cpu": "some CPU"}))
+    for name, extra in (("plain", []), ("more", ["--column", "verify_cost_ratio"])):
+        assert published.main(["record", str(tmp_path / "sweep"), "--out", str(tmp_path / name), "--title", "t",
+                               "--command", "specsweep", *extra]) == 0
+    assert "verify_cost_ratio" not in pd.read_csv(tmp_path / "plain" / "index.csv").columns
+    assert pd.read_csv(tmp_path / "more" / "index.csv").verify_cost_ratio.tolist() == [1.1]
+
+
 def test_a_changed_figure_is_caught_as_drift():
     page = ("<!-- figure 2026-12-06-aa-control speedup:.3f where backend=native batch_size=1 -->"
             "1.5<!-- /figure -->")
