@@ -53,6 +53,40 @@ def test_jsonl_specbench_shape_and_category_filter(tmp_path):
     assert got[0].text.startswith("Question: question ")
 
 
+def _speed_bench_row(i, category, sub, difficulty, text):
+    """A row as SPEED-Bench's dataset card declares its fields (huggingface.co/datasets/nvidia/SPEED-Bench:
+    question_id, category, sub_category, turns, source, src_id, difficulty, multiturn)."""
+    return json.dumps({"question_id": f"{i:032x}", "category": category, "sub_category": sub, "turns": [text],
+                       "source": "built-here", "src_id": str(i), "difficulty": difficulty, "multiturn": False})
+
+
+def test_speed_bench_rows_group_by_any_of_their_fields_and_placeholders_are_refused(tmp_path):
+    """SPEED-Bench as a workload format, on a file written here in its shape: the category the
+    report's acceptance-by-category matrix groups by can be its sub_category or difficulty; AIPerf's
+    `messages` rows read the same; the public copy's placeholder text is refused with what to do."""
+    rows = [_speed_bench_row(0, "coding", "python", "easy", "Write a function that adds two numbers."),
+            _speed_bench_row(1, "coding", "sql", "hard", "Write a query that counts rows."),
+            _speed_bench_row(2, "math", "algebra", "easy", "Solve x + 1 = 3.")]
+    f = _write(tmp_path / "speed.jsonl", rows)
+    assert sorted(p.category for p in load_prompts("jsonl", 3, seed=0, path=str(f))) == ["coding", "coding", "math"]
+    by_sub = load_prompts("jsonl", 3, seed=0, path=str(f), category_field="sub_category")
+    assert sorted(p.category for p in by_sub) == ["algebra", "python", "sql"]
+    easy = load_prompts("jsonl", 2, seed=0, path=str(f), category_field="difficulty", categories=["easy"])
+    assert {p.category for p in easy} == {"easy"} and len(easy) == 2
+    with pytest.raises(WorkloadError, match=r"unknown \['medium'\]; the file has difficulty values \['easy', 'hard'\]"):
+        load_prompts("jsonl", 1, seed=0, path=str(f), category_field="difficulty", categories=["medium"])
+    with pytest.raises(WorkloadError, match=r"category_field='level': no question .* its fields: \[.*'difficulty'"):
+        load_prompts("jsonl", 1, seed=0, path=str(f), category_field="level")
+    msgs = _write(tmp_path / "aiperf.jsonl", [json.dumps({"question_id": "a" * 32, "category": "qa", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]})])
+    assert load_prompts("jsonl", 1, seed=0, path=str(msgs))[0].text == "Question: What is 2 + 2?\nAnswer:"
+    placeholder = _write(tmp_path / "public.jsonl", [rows[0], _speed_bench_row(
+        3, "rag", "news", "hard", "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE USING SPECDEC_BENCH")])
+    with pytest.raises(WorkloadError, match=r"public\.jsonl, line 2: question '0+3' holds SPEED-Bench's placeholder "
+                                            r"text.*Rebuild the file with SPEED-Bench's own preparation script"):
+        load_prompts("jsonl", 1, seed=0, path=str(placeholder))
+
+
 def test_jsonl_errors_name_the_problem(tmp_path):
     with pytest.raises(WorkloadError, match="no such file"):
         load_prompts("jsonl", 1, seed=0, path=str(tmp_path / "missing.jsonl"))

@@ -297,36 +297,75 @@ def translation(num_prompts, seed, locale_dir, target_language):
 
 @dataclass
 class Jsonl(Workload):
-    """Any Spec-Bench style question.jsonl: workload=jsonl workload.path=FILE [workload.categories=[a,b]]."""
+    """Any Spec-Bench or SPEED-Bench style question file: workload=jsonl workload.path=FILE
+    [workload.categories=[a,b]] [workload.category_field=sub_category]."""
     name: str = "jsonl"
     path: str = MISSING  # the file: one {"question_id", "category", "turns": [...]} object per line
-    categories: list[str] | None = None  # only questions of these categories; null = all
+    categories: list[str] | None = None  # only questions whose category_field is one of these; null = all
+    # the field a question's category is read from: what the acceptance-by-category matrix groups by
+    # (SPEED-Bench's rows also carry sub_category, difficulty and source)
+    category_field: str = "category"
 
 
-def jsonl(num_prompts, seed, path, categories):
+# SPEED-Bench's public copy (huggingface.co/datasets/nvidia/SPEED-Bench) ships this text in place of
+# the prompts of sources it may not redistribute; the full file is rebuilt with its own preparation
+# script (Model-Optimizer's examples/specdec_bench). The string as AIPerf's SPEED-Bench loader
+# checks for it (aiperf/dataset/loader/speed_bench.py, TURNS_PLACEHOLDER).
+SPEED_BENCH_PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE USING SPECDEC_BENCH"
+
+
+def _first_turn(obj) -> str | None:
+    """A question's prompt: its first turn (Spec-Bench, SPEED-Bench), or the first user message of
+    an OpenAI-style `messages` list (AIPerf's SPEED-Bench rows); None if it has neither."""
+    if not isinstance(obj, dict):
+        return None
+    turns = obj.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return turns[0]
+    msgs = obj.get("messages")
+    if isinstance(msgs, list):
+        user = [m.get("content") for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
+        if user and isinstance(user[0], str):
+            return user[0]
+    return None
+
+
+def jsonl(num_prompts, seed, path, categories, category_field):
     """A file of {"question_id", "category", "turns": [...]} objects, one per line (Spec-Bench's
-    question.jsonl shape); the first turn is the prompt. categories filters by category."""
+    question.jsonl and SPEED-Bench's shape; AIPerf's `messages` rows too); the first turn is the
+    prompt. categories filters by the category read from category_field."""
     if not path or path == "???":  # "???": OmegaConf's mark for a value nobody gave
         raise WorkloadError("workload jsonl needs a file: pass workload.path=FILE (a Spec-Bench style question.jsonl)")
     p = Path(path).expanduser()
     if not p.is_file():
         raise WorkloadError(f"workload.path={path!r}: no such file")
-    items = []
+    items, fields = [], set()
     for n, obj in read_jsonl(p, WorkloadError):
-        if not isinstance(obj, dict) or not isinstance(obj.get("turns"), list) or not obj["turns"] or not isinstance(obj["turns"][0], str):
+        text = _first_turn(obj)
+        if text is None:
             raise WorkloadError(f'{path}, line {n}: expected an object with "turns": [a non-empty list of strings] '
-                                '(and "question_id", "category")')
-        if not obj["turns"][0].strip():
-            raise WorkloadError(f"{path}, line {n}: question {obj.get('question_id', n)!r} has an empty first turn; "
-                                "every prompt needs text")
-        items.append((str(obj.get("question_id", n)), str(obj.get("category", "")), obj["turns"][0]))
+                                '(and "question_id", "category"), or "messages": [{"role": "user", "content": ...}]')
+        qid = obj.get("question_id", n)
+        if text.strip() == SPEED_BENCH_PLACEHOLDER:
+            raise WorkloadError(f"{path}, line {n}: question {qid!r} holds SPEED-Bench's placeholder text, not a "
+                                "prompt: the public copy leaves out the sources it may not redistribute. Rebuild "
+                                "the file with SPEED-Bench's own preparation script (NVIDIA Model-Optimizer, "
+                                "examples/specdec_bench) and pass that file")
+        if not text.strip():
+            raise WorkloadError(f"{path}, line {n}: question {qid!r} has an empty first turn; every prompt needs text")
+        fields |= {k for k, v in obj.items() if isinstance(v, (str, int, float, bool))}
+        items.append((str(qid), str(obj.get(category_field, "")), text))
     if not items:
         raise WorkloadError(f"{path}: the file holds no questions")
+    if category_field != "category" and category_field not in fields:
+        raise WorkloadError(f"workload.category_field={category_field!r}: no question in {path} has that field; "
+                            f"its fields: {sorted(fields)}")
     if categories:
         valid = sorted({c for _, c, _ in items})
         unknown = [c for c in categories if c not in valid]
         if unknown:
-            raise WorkloadError(f"workload.categories: unknown {unknown}; the file has categories {valid}")
+            raise WorkloadError(f"workload.categories: unknown {unknown}; the file has "
+                                f"{'categories' if category_field == 'category' else category_field + ' values'} {valid}")
         items = [it for it in items if it[1] in categories]
     chosen = _choose(items, num_prompts, seed, f"{path} with categories {categories}")
     return [Prompt(f"jsonl-{i}-{qid}", f"Question: {text}\nAnswer:", cat) for i, (qid, cat, text) in enumerate(chosen)]
