@@ -24,16 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bench.backend import BackendError
+from bench.backend import BackendError, cache_root  # noqa: F401 (cache_root: the adapters' import of it)
 
 PROBE_VERSION = "1"  # bump when what a probe tries changes: older verdicts are then ignored
 MODES = ("auto", "on", "off")
-
-
-def cache_root() -> Path:
-    import platformdirs
-
-    return Path(os.environ.get("SPECSWEEP_CACHE", platformdirs.user_cache_dir("specsweep")))
 
 
 def repack_mode(value, setting: str = "backend.repack") -> str:

@@ -7,8 +7,18 @@ per-cycle counts); every metric is computed from them in bench.metrics, the same
 from __future__ import annotations
 
 import abc
+import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+
+def cache_root() -> Path:
+    """The one user cache (SPECSWEEP_CACHE, else the platform's cache folder for specsweep), shared
+    by the harness (sweep pace) and every adapter (probes, converted weights, derived drafts)."""
+    import platformdirs  # the platform's convention (~/.cache on Linux), not a path of ours
+
+    return Path(os.environ.get("SPECSWEEP_CACHE", platformdirs.user_cache_dir("specsweep")))
 
 # Columns of a per-cycle record. `row` is the request's index in the submitted batch; t_* are the
 # wall times of the cycle's phases (shared by the rows of one batched cycle): t_draft proposing,

@@ -16,6 +16,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .config import ConfigError, register_configs
+from .pace import duration
 from .results import FAILED_STATUSES
 from .summary import TABLE_COLUMNS
 
@@ -43,12 +44,19 @@ class SweepProgress:
         cls.total, cls.done, cls.started = total, 0, time.monotonic()
         cls.work, cls.prefill_ratios = list(work or []), []
 
-    @classmethod
-    def record(cls, row: dict) -> None:
-        """A finished job's row: its TTFT per prompt token over its TPOT, where it has them."""
+    @staticmethod
+    def prefill_ratio(row: dict) -> float | None:
+        """A prompt token's cost in decode steps: the row's TTFT per prompt token over its TPOT."""
         ttft, tpot, n = row.get("ttft_p50"), row.get("tpot_p50"), row.get("prompt_tokens_median")
         if all(isinstance(v, (int, float)) and v == v and v > 0 for v in (ttft, tpot, n)):
-            cls.prefill_ratios.append(ttft / n / tpot)
+            return ttft / n / tpot
+        return None
+
+    @classmethod
+    def record(cls, row: dict) -> None:
+        """A finished job's row: its prefill ratio, where it has one."""
+        if (r := cls.prefill_ratio(row)) is not None:
+            cls.prefill_ratios.append(r)
 
     @classmethod
     def _units(cls, jobs) -> float:
@@ -71,12 +79,7 @@ class SweepProgress:
         if not cls.total:
             return ""
         left = cls.left_s()
-        return f"job {min(cls.done + 1, cls.total)}/{cls.total}" + (f", about {_duration(left)} left" if left else "")
-
-
-def _duration(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m // 60} h {m % 60} min" if m >= 60 else f"{m} min {s} s" if m else f"{s} s"
+        return f"job {min(cls.done + 1, cls.total)}/{cls.total}" + (f", about {duration(left)} left" if left else "")
 
 
 def _progress_factory(name: str, total: int):
@@ -205,8 +208,8 @@ class SweepSummary(Callback):
             SweepProgress.done += 1
             left = SweepProgress.left_s()
             log.info("sweep: %d/%d jobs done (%s elapsed, %s)", SweepProgress.done, SweepProgress.total,
-                     _duration(time.monotonic() - SweepProgress.started),
-                     f"about {_duration(left)} left" if left else "done")
+                     duration(time.monotonic() - SweepProgress.started),
+                     f"about {duration(left)} left" if left else "done")
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         SweepSummary.checked = True
@@ -257,14 +260,19 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _job(cfg: DictConfig) -> dict | None:
+    from . import pace
+    from .jobspec import job_work
     from .runner import run_job
 
+    started = time.monotonic()
     try:
         row = run_job(cfg, progress_factory=_progress_factory)
     except ConfigError as e:
         log.error("%s", e)
         raise SystemExit(2) from None
     SweepProgress.record(row)
+    if row.get("status") == "ok":  # the pace a later sweep's estimate starts from
+        pace.record(pace.pace_key(cfg), time.monotonic() - started, job_work(cfg), SweepProgress.prefill_ratio(row))
     sp = row.get("speedup")
     log.info("%s: status=%s speedup=%s acceptance=%s", row.get("job"), row.get("status"),
              f"{sp:.3f}" if isinstance(sp, float) else sp, row.get("acceptance_rate"))

@@ -39,13 +39,14 @@ def check_sweep(config) -> list[tuple[int, int]] | None:
 
     from .methods import method_schemas
     from .jobspec import check_job, job_work
+    from .pace import estimate, pace_key
 
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         log.info("sweeper %s: its jobs are checked one by one as they start", config.hydra.sweeper.get("_target_"))
         return None
     loader = GlobalHydra.instance().config_loader()
     jobs = sweep_jobs(config)
-    problems, work = [], []
+    problems, work, keys = [], [], []
     used, ignored = set(), {}  # method keys some job's engine reads; keys ignored -> the methods ignoring them
     from omegaconf import open_dict
 
@@ -59,6 +60,7 @@ def check_sweep(config) -> list[tuple[int, int]] | None:
             problems.append(f"  job {' '.join(job) or '(defaults)'}: {e}")
             continue
         work.append(job_work(cfg))
+        keys.append(pace_key(cfg))
         used |= {str(k) for k in cfg.method if k not in skipped}
         for k in skipped:
             ignored.setdefault(k, set()).add(str(cfg.method.name))
@@ -73,4 +75,5 @@ def check_sweep(config) -> list[tuple[int, int]] | None:
     prompt, decode = (sum(w[i] for w in work) for i in (0, 1))
     log.info("checked %d jobs before running any: %s tokens to decode%s", len(jobs), f"{decode:,}",
              f" and {prompt:,} prompt tokens to prefill" if prompt else "")
+    log.info("%s", estimate(keys, work)[1])
     return work

@@ -64,16 +64,38 @@ def test_small_real_sweep_end_to_end(tmp_path):
     assert "speedup" in r.stdout and "ngram" in r.stdout  # the printed table
 
 
+def test_a_sweep_is_estimated_from_the_pace_of_earlier_jobs_with_the_same_key(tmp_path, monkeypatch):
+    from bench import pace
+
+    monkeypatch.setenv("SPECSWEEP_CACHE", str(tmp_path))
+    assert pace.estimate(["a"], [(100, 10)]) == ([None], pace.estimate([], [])[1])  # nothing recorded yet
+    # 10 s for 1000 prompt tokens at 0.05 of a decode step each and 100 decode steps: 150 steps
+    pace.record("a", 10.0, (1000, 100), 0.05)
+    pace.record("b", 5.0, (0, 0), None)  # no work: nothing to learn, nothing kept
+    assert set(json.loads((tmp_path / "pace.json").read_text())) == {"a"}
+    per_job, line = pace.estimate(["a", "c"], [(2000, 200), (10, 10)])
+    assert per_job[0] == pytest.approx(20.0) and per_job[1] is None  # 300 steps at 1/15 s each; c never ran
+    assert line.startswith("estimated time: about 20 s") and "1 of 2 jobs have no earlier run here" in line
+    pace.record("a", 30.0, (1000, 100), 0.05)  # the latest pace replaces the earlier one
+    assert pace.estimate(["a"], [(1000, 100)])[0] == [pytest.approx(30.0)]
+    (tmp_path / "pace.json").write_text("{not json")  # damaged: estimates start again, nothing raises
+    assert pace.estimate(["a"], [(1000, 100)])[0] == [None]
+
+
 @pytest.mark.full
 def test_resume_skips_completed_jobs_and_force_reruns(tmp_path, tiny_llama):
     args = [f"results_dir={tmp_path}", "sweep_name=resume", "model=local", f"model.path={tiny_llama}", "method=ngram",
             "workload=chat", "batch_size=1,2", "num_prompts=2", "max_new_tokens=8", "repeats=1", "report=false"]
-    assert specsweep(*args).returncode == 0
+    r = specsweep(*args)
+    assert r.returncode == 0
+    # a model this test session built: no earlier job ran it, so no estimate before the first job...
+    assert "no time estimate yet" in r.stdout + r.stderr
     sweep = tmp_path / "resume"
     before = {p: p.stat().st_mtime_ns for p in sweep.glob("*/*.parquet")}
     assert len(before) == 4
     r = specsweep(*args)
     assert r.returncode == 0 and r.stdout.count("skip ") + r.stderr.count("skip ") == 2
+    assert "estimated time: about" in r.stdout + r.stderr  # ...and the first run's pace gives one
     assert {p: p.stat().st_mtime_ns for p in sweep.glob("*/*.parquet")} == before
     r = specsweep(*args, "force=true", "batch_size=1")
     assert r.returncode == 0
