@@ -24,8 +24,9 @@ from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOu
                            ResourceNeed, Sampling, SettingError, SpecCounters, check_positive_seconds, checked_settings)
 
 
-from bench.methods import specsweep_overrides
+from bench.methods import knobs, specsweep_overrides
 
+from .gguf_draft import check_draft_layers, derive_draft
 from .cpu_probe import decide, file_identity, forced_repack_blamed, repack_mode, run_child
 from .processes import Worker
 
@@ -45,6 +46,27 @@ def resolve_gguf(path: str) -> str:
     return str(p)
 
 
+def draft_gguf(method: dict, target: str, derive: bool = True) -> str:
+    """draft_model's draft file: method.draft_path, or with it null the target's first
+    method.draft_layers layers and its head, derived once (backends/gguf_draft.py). derive=False
+    only checks the setting (the pre-check, before any file is written) and returns ""."""
+    if method.get("draft_path"):
+        return resolve_gguf(method["draft_path"])
+    layers = knobs("draft_model", method)["draft_layers"]
+    if not derive:
+        check_draft_layers(Path(target), layers)
+        return ""
+    return str(derive_draft(Path(target), layers))
+
+
+def draft_label(method: dict, draft_file: str | None) -> str:
+    """How results name draft_model's drafter: the file given, or the derived draft (as the native engine does)."""
+    if method.get("draft_path"):
+        return f"draft model {method['draft_path']}"
+    layers = knobs("draft_model", method)["draft_layers"]
+    return f"derived from target: its first {layers} layers + its output head (untrained), {Path(draft_file or '').name}"
+
+
 def llamacpp_need(model: dict, method: dict, ctx_tokens: int, sequences: int) -> ResourceNeed:
     """llama.cpp's floor, for both adapters: the GGUF mapped in whole, and an f16 K and V cache
     allocated for the whole context it is given (ctx_tokens; a sliding-window layer's only for its
@@ -56,6 +78,10 @@ def llamacpp_need(model: dict, method: dict, ctx_tokens: int, sequences: int) ->
     if method.get("name") == "draft_model" and method.get("draft_path"):
         draft = model_facts(Path(resolve_gguf(method["draft_path"])))
         parts.update({"draft weights": draft.file_bytes, "draft KV cache": draft.windowed_kv_bytes(ctx_tokens, sequences, 2)})
+    elif method.get("name") == "draft_model":  # derived: at most the target's file, its KV for fewer layers
+        share = knobs("draft_model", method)["draft_layers"] / facts.n_layers
+        parts.update({"draft weights": facts.file_bytes,
+                      "draft KV cache": int(share * facts.windowed_kv_bytes(ctx_tokens, sequences, 2))})
     return ResourceNeed(context_tokens=facts.context_tokens, context_source=facts.context_source, memory_bytes=parts)
 
 
@@ -171,12 +197,8 @@ class LlamaCppBackend(Backend):
         self.path = resolve_gguf(model["path"])
         self.k = num_speculative_tokens
         self.draft_path = None
-        if name == "draft_model":
-            dpath = self.method.get("draft_path")
-            if not dpath:
-                raise ValueError("method draft_model on backend llamacpp needs method.draft_path=FILE.gguf (a model "
-                                 "sharing the target's vocabulary; the target itself gives a self-draft)")
-            self.draft_path = resolve_gguf(dpath)
+        if name == "draft_model":  # a file sharing the target's vocabulary, or derived from the target
+            self.draft_path = draft_gguf(self.method, self.path)
         self.threads = self.cfg.threads or 2
         self.repack = repack_verdict(self.cfg.repack, self.path, self.threads)
         self.logdir = Path(tempfile.mkdtemp(prefix="specsweep-llamacpp-"))
@@ -185,11 +207,9 @@ class LlamaCppBackend(Backend):
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         checked_settings(settings, LlamaCppConfig)
-        resolve_gguf(model["path"])
+        target = resolve_gguf(model["path"])
         if method.get("name") == "draft_model":
-            if not method.get("draft_path"):
-                raise ValueError("method draft_model on backend llamacpp needs method.draft_path=FILE.gguf")
-            resolve_gguf(method["draft_path"])
+            draft_gguf(method, target, derive=False)
 
     @classmethod
     def resource_need(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int, rows: int,
@@ -241,7 +261,7 @@ class LlamaCppBackend(Backend):
                 "weight_buffers_mib": getattr(self, "weight_buffers", None),  # as llama.cpp's load reported them
                 "process": "engine in a worker process (a crash is a job error, not a dead sweep)",
                 "drafter": {"autoregressive": "none", "ngram": "n-gram prompt lookup (specsweep's loop)",
-                            "draft_model": f"draft model {self.method.get('draft_path')}",
+                            "draft_model": draft_label(self.method, self.draft_path),
                             "prompt_lookup_lib": f"llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens={self.k})"}[
                     self.method["name"]]}
 

@@ -16,7 +16,8 @@ time split, so those columns say unavailable. The server log is kept in the job 
 | ngram_map_k4v   | --spec-type ngram-map-k4v (size-n, size-m = k, min-hits)                    |
 | ngram_mod       | --spec-type ngram-mod (n-min, n-max, n-match); learns across requests       |
 | ngram_cache     | --spec-type ngram-cache; learns across requests                             |
-| draft_model     | --spec-type draft-simple -md method.draft_path                              |
+| draft_model     | --spec-type draft-simple -md method.draft_path (null: the target's first draft_layers |
+|                 | layers, a GGUF derived once, backends/gguf_draft.py)                         |
 | synthetic       | --spec-type ngram-simple (size-n 1, size-m = k) + --spec-synth-rates u1,..,uk: |
 |                 | acceptance forced on the n-gram's drafts (it drafts only where it matches)  |
 Every speculative method also gets --spec-draft-n-max k.
@@ -44,7 +45,7 @@ from bench.methods import knobs, synthetic_rates
 
 from .cpu_probe import (Inconclusive, decide, describe_exit, file_identity, forced_repack_blamed, killed_by_signal,
                         repack_mode)
-from .llamacpp import gguf_tensor_bytes, llamacpp_need, resolve_gguf, weight_buffers
+from .llamacpp import draft_gguf, gguf_tensor_bytes, llamacpp_need, resolve_gguf, weight_buffers
 from .processes import Pool, ServerProcess, free_port, killed_with_parent, stop
 from .serving import (LLAMA_SERVER_COUNTERS, answers, counter_delta, detokenize, llama_margins_across_shapes, post_json,
                       read_counters, serve_load, spec_counters, tokenize)
@@ -54,8 +55,10 @@ METHODS = ("autoregressive", "ngram", "ngram_map_k", "ngram_map_k4v", "ngram_mod
            "synthetic")
 
 
-def spec_flags(method: dict, k: int) -> list[str]:
-    """The harness's method vocabulary in llama-server flags (the table above)."""
+def spec_flags(method: dict, k: int, target: str | None = None) -> list[str]:
+    """The harness's method vocabulary in llama-server flags (the table above). draft_model with no
+    draft_path drafts with the target's first draft_layers layers, a file derived from `target`
+    (None: only checked, as in the pre-check, whose flags are not run)."""
     name = method["name"]
     m = knobs(name, method)  # every knob's default (bench/method_settings.py) unless the job set it
     n_max = ["--spec-draft-n-max", str(k)]
@@ -75,9 +78,9 @@ def spec_flags(method: dict, k: int) -> list[str]:
     if name == "ngram_cache":
         return ["--spec-type", "ngram-cache"] + n_max
     if name == "draft_model":
-        if not method.get("draft_path"):
-            raise ValueError("method draft_model on backend llamacpp_server needs method.draft_path=FILE.gguf")
-        return ["--spec-type", "draft-simple", "-md", resolve_gguf(method["draft_path"])] + n_max
+        if not method.get("draft_path") and target is None:
+            return ["--spec-type", "draft-simple", "-md", f"<the target's first {m['draft_layers']} layers>"] + n_max
+        return ["--spec-type", "draft-simple", "-md", draft_gguf(method, target)] + n_max
     if name == "synthetic":  # llama.cpp's own synthetic mode needs a drafter: the cheapest, matching on one token
         rates = ",".join(f"{u:.6g}" for u in synthetic_rates(method, k))
         return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", str(k),
@@ -219,7 +222,7 @@ class LlamaServerBackend(Backend):
                                                 self.logdir / "llama-server-repack-probe.log", self.timeout))
         no_repack = [] if self.repack.usable else ["--no-repack"]
         self.flags = {False: spec_flags({"name": "autoregressive"}, self.k) + no_repack,
-                      True: spec_flags(self.method, self.k) + no_repack}
+                      True: spec_flags(self.method, self.k, self.model) + no_repack}
 
     @classmethod
     def engine_config(cls, method: dict, k: int | None) -> list[str]:
@@ -229,8 +232,10 @@ class LlamaServerBackend(Backend):
     @classmethod
     def check_config(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int) -> None:
         find_binary(checked_settings(settings, LlamaServerConfig).binary)
-        resolve_gguf(model["path"])
-        spec_flags(method, num_speculative_tokens)  # an unknown method or a draft model without its file
+        target = resolve_gguf(model["path"])
+        spec_flags(method, num_speculative_tokens)  # an unknown method or a bad knob
+        if method.get("name") == "draft_model":
+            draft_gguf(method, target, derive=False)  # the draft's file, or layers the target has
 
     @classmethod
     def resource_need(cls, settings: dict, model: dict, method: dict, num_speculative_tokens: int, rows: int,

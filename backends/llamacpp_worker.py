@@ -38,7 +38,7 @@ import torch
 from bench.backend import BatchOutput, LoadPlan, RequestOutput, Sampling
 from bench.methods import knobs
 
-from .llamacpp import weight_buffers
+from .llamacpp import draft_label, weight_buffers
 from .native.drafters import Drafter, Proposal, ngram_drafter
 from .native.engine import generate as run_static
 from .native.sampling import SamplingParams, select
@@ -230,13 +230,13 @@ class Engine:
         if cfg.get("draft_path"):
             self.draft = _Context(cfg["draft_path"], cfg, cfg["max_rows"])
             if self.draft.vocab != self.target.vocab:
-                raise ValueError(f"draft model {self.method.get('draft_path')!r} has a vocabulary of {self.draft.vocab}, "
+                raise ValueError(f"draft model {cfg['draft_path']!r} has a vocabulary of {self.draft.vocab}, "
                                  f"the target {self.target.vocab}; a draft model must share the target's vocabulary")
         self.eos = (self.target.llm.token_eos(),)
         self.target_model = LlamaCppTarget(self.target, cfg["max_rows"], cfg["n_ctx"])
         m = self.method
         self.drafter = {"ngram": lambda: ngram_drafter(m, self.k),
-                        "draft_model": lambda: LlamaCppDraftModel(self.draft, self.k, f"draft model {m.get('draft_path')}"),
+                        "draft_model": lambda: LlamaCppDraftModel(self.draft, self.k, draft_label(m, cfg["draft_path"])),
                         }.get(m["name"], lambda: None)()
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int, speculative: bool,

@@ -68,6 +68,37 @@ def test_self_draft_accepts_everything_and_batches_stay_lossless(code_edit_promp
 
 
 @pytest.mark.slow
+def test_a_draft_derived_from_the_target_keeps_its_first_layers_and_drafts_losslessly(code_edit_prompts):
+    """draft_model with no draft_path: the target's first draft_layers layers and its head, as a GGUF
+    written once (backends/gguf_draft.py) and reused; an untrained early exit accepts some drafts."""
+    import gguf
+
+    from backends.gguf_draft import derived_draft_path
+    from backends.llamacpp import resolve_gguf
+
+    method = {"name": "draft_model", "draft_path": None, "draft_layers": 9}
+    base, spec, verdict = _run(method, code_edit_prompts[:2], k=3, n=24, weigh=True)
+    target = Path(resolve_gguf("gemma3-270m"))
+    draft = derived_draft_path(target, 9)
+    written = draft.stat().st_mtime_ns
+    reader = gguf.GGUFReader(str(draft))
+    assert int(reader.get_field("gemma3.block_count").contents()) == 9
+    layers = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")}
+    assert layers == set(range(9))
+    whole = {t.name: t for t in gguf.GGUFReader(str(target)).tensors}
+    for t in reader.tensors:  # copied byte for byte, nothing re-quantized
+        assert t.tensor_type == whole[t.name].tensor_type and np.array_equal(t.data, whole[t.name].data), t.name
+    cyc = _cycles(spec)
+    alpha = metrics.acceptance_rate([c["drafted"] for c in cyc], [c["accepted"] for c in cyc])
+    assert 0 < alpha < 0.95, alpha  # half the layers: some drafts right, not all
+    assert verdict["lossless"] == "true", verdict
+    b = LlamaCppBackend({"path": "gemma3-270m"}, method, num_speculative_tokens=3)  # the second job reuses the file
+    assert b.draft_path == str(draft) and draft.stat().st_mtime_ns == written
+    assert "first 9 layers" in b.describe()["drafter"]
+    b.close()
+
+
+@pytest.mark.slow
 def test_library_prompt_lookup_counted_by_wrapping_its_drafter(code_edit_prompts):
     base, spec = _run({"name": "prompt_lookup_lib"}, code_edit_prompts[:2], k=4)
     assert [r.output_token_ids for o in spec for r in o.requests] == [r.output_token_ids for o in base for r in o.requests]
@@ -83,8 +114,12 @@ def test_clear_errors(tmp_path):
         LlamaCppBackend({"path": str(tmp_path / "missing.gguf")}, {"name": "ngram"})
     with pytest.raises(ValueError, match="method 'layer_skip' is not supported by backend llamacpp"):
         LlamaCppBackend({"path": "gemma3-270m"}, {"name": "layer_skip"})
-    with pytest.raises(ValueError, match="needs method.draft_path=FILE.gguf"):
-        LlamaCppBackend({"path": "gemma3-270m"}, {"name": "draft_model", "draft_path": None})
+    for layers in (0, 18):  # Gemma 3 270M has 18 layers: a derived draft keeps 1 to 17 of them
+        with pytest.raises(ValueError, match=f"method.draft_layers={layers} cannot derive a draft .* it has 18 "
+                                             "layers; valid: 1 to 17"):
+            LlamaCppBackend({"path": "gemma3-270m"}, {"name": "draft_model", "draft_path": None, "draft_layers": layers})
+        with pytest.raises(ValueError, match=f"draft_layers={layers}"):  # the pre-check, before any model loads
+            LlamaCppBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "draft_model", "draft_layers": layers}, 4)
     with pytest.raises(ValueError, match="backend.threads=0 is not valid"):
         LlamaCppBackend({"path": "gemma3-270m"}, {"name": "ngram"}, threads=0)
 

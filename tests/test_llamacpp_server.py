@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,28 @@ def test_self_draft_accepts_nearly_everything(model_link):
     # round differently: 1.0 on a 2-core AVX2 AMD EPYC, 33/36 = 0.917 in every run on a 2-core
     # AVX-512 AMD EPYC (Zen 4, `lscpu` "AMD EPYC", cpu family 25), both with repack off.
     assert c.draft_tokens > 0 and c.accepted_tokens / c.draft_tokens > 0.85
+
+
+@pytest.mark.slow
+def test_a_draft_derived_from_the_target_runs_on_llama_server(model_link):
+    """draft_model with no draft_path: llama-server gets the target's first draft_layers layers as
+    its -md file (the GGUF the in-process adapter uses too, derived once)."""
+    from backends.gguf_draft import derived_draft_path
+    from backends.llamacpp import resolve_gguf
+    from backends.llamacpp_server import spec_flags
+
+    method = {"name": "draft_model", "draft_path": None, "draft_layers": 9}
+    assert spec_flags(method, 3)[3] == "<the target's first 9 layers>"  # a tuned config names it, writes nothing
+    b = LlamaServerBackend({"path": model_link}, method, num_speculative_tokens=3, repack="off")
+    try:
+        flags = b.flags[True]
+        assert flags[flags.index("-md") + 1] == str(derived_draft_path(Path(resolve_gguf(model_link)), 9))
+        prompts = [b.tokenize(p.text) for p in load_prompts("code_edit", 2, seed=0)]
+        c = b.generate(prompts, Sampling(), 24, speculative=True).spec_counters
+    finally:
+        b.close()
+    assert c.draft_tokens > 0 and 0 < c.accepted_tokens < c.draft_tokens  # an untrained early exit: some, not all
+    assert not _servers_with(model_link)
 
 
 @pytest.mark.slow
