@@ -15,6 +15,7 @@ chunk; not streamed, e2e less the server's own generation time.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -23,9 +24,9 @@ from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOu
                            SettingError, check_positive_seconds, checked_settings)
 
 
-from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, Access, api_key_from_env, counter_delta, detokenize, get,
+from .serving import (LLAMA_SERVER_COUNTERS, TRTLLM_COUNTERS, VLLM_COUNTERS, Access, api_key_from_env, counter_delta, detokenize, get,
                       grant, llama_margins_across_shapes, metrics_page, own_and_aggregate, read_counters, refused,
-                      serve_load, spec_counters, tokenize)
+                      serve_load, spec_counters, tokenize, trtllm_iteration_totals)
 
 PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -47,6 +48,9 @@ class EndpointConfig(BackendConfig):
     # gateway's bearer token), sent as "Authorization: Bearer"; the key itself is never in a config
     api_key_env: str | None = None
     ca_bundle: str | None = None  # a PEM file of the CA that signed an https deployment's certificate; null = the system's
+    # the served model's tokenizer (a tokenizer.json, or the folder holding it), for servers with no
+    # /tokenize of their own (TensorRT-LLM's trtllm-serve); null = the server's /tokenize
+    tokenizer: str | None = None
 
     def __post_init__(self):
         for key in ("url", "baseline_url"):
@@ -60,6 +64,9 @@ class EndpointConfig(BackendConfig):
             raise ValueError(f"backend.url and backend.baseline_url are both {self.url}: the baseline must be the same "
                              "model served without speculation, at its own URL")
         check_positive_seconds(request_timeout_s=self.request_timeout_s, connect_timeout_s=self.connect_timeout_s)
+        if self.tokenizer is not None and tokenizer_file(self.tokenizer) is None:
+            raise ValueError(f"backend.tokenizer={self.tokenizer!r} is neither a tokenizer.json nor a folder holding one; "
+                             "give the served model's tokenizer (its Hugging Face folder or tokenizer.json)")
         if self.ca_bundle is not None and not Path(self.ca_bundle).expanduser().is_file():
             raise ValueError(f"backend.ca_bundle={self.ca_bundle!r} is not a file; give the PEM file of the CA that "
                              "signed the deployment's certificate, or null for the system's CAs")
@@ -71,6 +78,32 @@ class EndpointConfig(BackendConfig):
                       str(Path(self.ca_bundle).expanduser()) if self.ca_bundle else None)
 
 
+def tokenizer_file(path: str) -> Path | None:
+    p = Path(path).expanduser()
+    p = p / "tokenizer.json" if p.is_dir() else p
+    return p if p.is_file() and p.suffix == ".json" else None
+
+
+class LocalTokenizer:
+    """The served model's tokenizer, in this process (the `tokenizers` library on its tokenizer.json),
+    for a server that tokenizes nothing for its clients: prompts are encoded as the server would
+    (special tokens added), a streamed answer's text back into token ids (none added)."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(tokenizer_file(path)))
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def output_ids(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def text(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+
 class Endpoint:
     """One running server as found: its protocol, model name, slots (llama-server) and counters."""
 
@@ -78,6 +111,7 @@ class Endpoint:
         import httpx
 
         self.url, self.role, self.timeout = url, role, cfg.request_timeout_s
+        self.trtllm = False
         access = cfg.access()
         grant(url, access)
         try:
@@ -96,7 +130,10 @@ class Endpoint:
                 if models.status_code != 200:
                     raise ValueError(f"backend.{role}={url} answers neither llama-server's /props nor /v1/models "
                                      f"({models.status_code}): not an OpenAI-compatible LLM server")
-                names = [m["id"] for m in models.json().get("data", [])]
+                data = models.json().get("data", [])
+                names = [m["id"] for m in data]
+                # TensorRT-LLM's trtllm-serve names itself the owner (tensorrt_llm/serve/openai_server.py)
+                self.trtllm = any(m.get("owned_by") == "tensorrt_llm" for m in data)
                 if cfg.model and cfg.model not in names:
                     raise ValueError(f"backend.model={cfg.model!r} is not served at {url}; it serves {', '.join(names)}")
                 self.model = cfg.model or names[0]
@@ -107,13 +144,34 @@ class Endpoint:
                                  "backend.ca_bundle=FILE, the PEM of the CA that signed it") from None
             raise ValueError(f"backend.{role}={url}: no server answers there ({type(e).__name__}: {e}); start it, or "
                              "fix the URL") from e
-        self.protocol = "llama_completion" if self.llama else "openai_stream"
+        self.protocol = "llama_completion" if self.llama else "trtllm_stream" if self.trtllm else "openai_stream"
+        self.local = None
+        if self.trtllm:
+            if not cfg.tokenizer:
+                raise ValueError(f"backend.{role}={url} is TensorRT-LLM's trtllm-serve, which tokenizes nothing for its "
+                                 "clients: give backend.tokenizer=PATH, the served model's tokenizer.json or its folder")
+            self.local = LocalTokenizer(cfg.tokenizer)
         self.counter_names = None
+        self.trtllm_totals = dict.fromkeys(TRTLLM_COUNTERS.names(), 0)  # its /metrics is drained on read: kept here
+        self.no_iteration_stats = False
         page = self.metrics_page()
-        for names in (VLLM_COUNTERS, LLAMA_SERVER_COUNTERS):
+        if self.trtllm and page is not None and page.lstrip().startswith("["):
+            self.counter_names = TRTLLM_COUNTERS  # iteration statistics (enable_iter_perf_stats)
+        for names in () if self.trtllm else (VLLM_COUNTERS, LLAMA_SERVER_COUNTERS):
             if page and names.drafts.split(":")[0] + ":" in page:
                 self.counter_names = names
                 break
+
+    def acceptance_source(self) -> str:
+        """Where this server's acceptance figures come from (or why there are none)."""
+        if self.trtllm:
+            if self.counter_names is None or self.no_iteration_stats:
+                return ("unavailable: no draft in the iteration statistics (start trtllm-serve with "
+                        "enable_iter_perf_stats: true in its --extra_llm_api_options)")
+            return "TensorRT-LLM's iteration statistics (/metrics, summed over the run's iterations)"
+        if self.counter_names:
+            return "/metrics counter deltas"
+        return "per-request draft counts" if self.llama else "unavailable: no speculative counters"
 
     def metrics_page(self) -> str | None:
         """None where the server has no /metrics page or does not answer now (a deployment gone
@@ -127,12 +185,22 @@ class Endpoint:
 
     def counters(self) -> dict:
         page = self.metrics_page() if self.counter_names else None
+        if self.counter_names is TRTLLM_COUNTERS:
+            # each read returns the iterations since the last one (and empties the server's queue):
+            # summed here into running totals, so that deltas are taken as for counters
+            for f, v in trtllm_iteration_totals(json.loads(page) if page else []).items():
+                self.trtllm_totals[f] += v
+            return dict(self.trtllm_totals)
         return read_counters(page, self.counter_names.names()) if page else {}
 
     def tokenize(self, text: str) -> list[int]:
+        if self.local:
+            return self.local.prompt_ids(text)
         return tokenize(self.url, text, self.model, f"the server at {self.url}")
 
     def detokenize(self, ids) -> str:
+        if self.local:
+            return self.local.text(ids)
         return detokenize(self.url, ids, self.model, f"the server at {self.url}")
 
 
@@ -182,13 +250,19 @@ class OpenAIEndpointBackend(Backend):
                              f"would not be what was asked; use at most {e.slots}, or start it with -np "
                              f"{plan.max_rows}")
         before = e.counters() if spec else {}
+        to_ids = {"to_ids": e.local.output_ids} if e.local else {}
         reqs, wall = serve_load(e.protocol, e.url, prompts, sampling, max_new_tokens, plan, e.timeout,
-                                f"the server at {e.url}", k=self.k if spec else 0, model=e.model, client_ttft=True)
+                                f"the server at {e.url}", k=self.k if spec else 0, model=e.model, client_ttft=True,
+                                **to_ids)
         sc = None
         if spec and e.counter_names:
             delta = counter_delta(before, e.counters())
             self._check_k(e, delta)
             sc = spec_counters(delta, e.counter_names, self.k)
+            if e.counter_names is TRTLLM_COUNTERS and not sc.drafts:
+                # trtllm-serve answers /metrics with [] when its iteration statistics are off (and then
+                # for every run): no draft counted is no record, not an acceptance of 0
+                e.no_iteration_stats, sc = True, None
         # each response's own acceptance where the server returns it (a vLLM server run with
         # --per-request-spec-decode-metrics); the /metrics deltas then the cross-check
         sc, aggregate = own_and_aggregate(reqs, sc) if spec else (None, None)
@@ -219,9 +293,9 @@ class OpenAIEndpointBackend(Backend):
 
     def describe(self) -> dict:
         s, b = self.servers[True], self.servers[False]
-        return {"engine": f"running deployment ({'llama-server' if s.llama else 'OpenAI-compatible server'})",
+        kind = "llama-server" if s.llama else "TensorRT-LLM trtllm-serve" if s.trtllm else "OpenAI-compatible server"
+        return {"engine": f"running deployment ({kind})",
                 "url": s.url, "baseline_url": b.url, "served_model": s.served, "protocol": s.protocol,
                 "slots": s.slots, "drafter": self.method.get("name") + " (as declared for the deployment)",
-                "acceptance_source": ("/metrics counter deltas" if s.counter_names else
-                                      "per-request draft counts" if s.llama else "unavailable: no speculative counters"),
+                "acceptance_source": s.acceptance_source(),
                 "time_split": "unavailable: a running deployment reports no draft/verify times"}

@@ -9,6 +9,7 @@ parameterized by the metric names each engine exports.
 | openai_stream    | POST /v1/completions       | yes      | vLLM (return_token_ids)          |
 | sglang_generate  | POST /generate             | no       | SGLang (static batches)          |
 | sglang_stream    | POST /generate, stream     | yes      | SGLang (load runs)               |
+| trtllm_stream    | POST /v1/completions       | yes      | TensorRT-LLM's trtllm-serve      |
 
 Every request is sent as token ids (the harness tokenized the prompt once, for both arms) and
 timed from the moment its batch was submitted (t0): a request's e2e_s, and for streamed
@@ -113,6 +114,8 @@ class Request:
     # Under load, TTFT must include the wait in the engine's queue: where the protocol streams no
     # first token, it is derived from the client's e2e less the engine's own generation time.
     client_ttft: bool = False
+    # text -> token ids, for a server that streams text only (TensorRT-LLM): the served model's tokenizer
+    to_ids: Callable[[str], list[int]] | None = None
 
 
 def _finished_by(reason: str | None) -> str:
@@ -170,6 +173,12 @@ def request_body(protocol: str, q: Request) -> dict:
         return {"model": q.model, "prompt": list(q.prompt), "max_tokens": q.max_new_tokens, "temperature": s.temperature,
                 "top_p": s.top_p, "top_k": top_k, "seed": s.seed, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}, **past_eos}
+    if protocol == "trtllm_stream":
+        # TensorRT-LLM's CompletionRequest (tensorrt_llm/serve/openai_protocol.py): the prompt as token ids;
+        # top_k only where set (its "off" is not vLLM's -1); it returns no token ids, so none are asked for
+        return {"model": q.model, "prompt": list(q.prompt), "max_tokens": q.max_new_tokens,
+                "temperature": s.temperature, "top_p": s.top_p, **({"top_k": s.top_k} if s.top_k > 0 else {}),
+                "seed": s.seed, "stream": True, "stream_options": {"include_usage": True}, **past_eos}
     params = {"max_new_tokens": q.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": top_k,
               "sampling_seed": s.seed, **past_eos}
     body = {"input_ids": list(q.prompt), "sampling_params": params}
@@ -232,6 +241,48 @@ async def openai_stream(client, q: Request) -> RequestOutput:
     return RequestOutput(ids, times[0], times[-1], times, finished_by=_finished_by(finish),
                          drafted=counts.draft_tokens if counts else None,
                          accepted=counts.accepted_tokens if counts else None, spec_counters=counts)
+
+
+async def trtllm_stream(client, q: Request) -> RequestOutput:
+    """TensorRT-LLM's trtllm-serve /v1/completions, streamed: chunks carry text (no token ids), so
+    the output is the chunks' text tokenized once by the served model's tokenizer (q.to_ids); every
+    chunk that brings text is stamped on arrival. Its choices' avg_decoded_tokens_per_iter (tokens
+    per decode iteration so far) gives no draft counts, so a request's acceptance is not read from
+    it: the server's iteration statistics (/metrics) give the counts, for the whole server."""
+    text, times, finish = [], [], None
+    async with client.stream("POST", q.url + "/v1/completions", json=request_body("trtllm_stream", q),
+                             timeout=q.timeout_s) as r:
+        await _check(r, "/v1/completions", "TensorRT-LLM's server")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            for choice in d.get("choices") or []:  # the usage chunk has none
+                if choice.get("text"):
+                    text.append(choice["text"])
+                    times.append(time.perf_counter() - q.t0)
+                finish = choice.get("finish_reason") or finish
+    if not times:
+        raise BackendError(f"the server at {q.url} streamed no text for a prompt of {len(q.prompt)} tokens")
+    return RequestOutput(q.to_ids("".join(text)), times[0], times[-1], times, finished_by=_finished_by(finish))
+
+
+# TensorRT-LLM's iteration statistics (GET /metrics with enable_iter_perf_stats: a JSON list, one
+# object per engine iteration since the last read, each read emptying the server's queue), the
+# fields of its specDecodingStats (cpp/tensorrt_llm/executor/jsonSerialization.cpp): requests that
+# drafted in the iteration, draft tokens, accepted draft tokens.
+TRTLLM_SPEC_FIELDS = ("numRequestsWithDraftTokens", "numDraftTokens", "numAcceptedTokens")
+
+
+def trtllm_iteration_totals(stats) -> dict:
+    """The speculative fields of a /metrics read summed over its iterations (an iteration without
+    specDecodingStats, or a page that is not a list, adds nothing)."""
+    totals = dict.fromkeys(TRTLLM_SPEC_FIELDS, 0)
+    for it in stats if isinstance(stats, list) else []:
+        spec = (it or {}).get("specDecodingStats") or {}
+        for f in TRTLLM_SPEC_FIELDS:
+            totals[f] += int(spec.get(f) or 0)
+    return totals
 
 
 def sglang_request_counts(meta: dict, k: int) -> SpecCounters:
@@ -321,6 +372,7 @@ PROTOCOLS: dict[str, Callable[..., Awaitable[RequestOutput]]] = {
     "openai_stream": openai_stream,
     "sglang_generate": sglang_generate,
     "sglang_stream": sglang_stream,
+    "trtllm_stream": trtllm_stream,
 }
 
 
@@ -497,6 +549,10 @@ LLAMA_SERVER_COUNTERS = CounterNames("llamacpp:spec_decode_num_drafts_total",
                                      "llamacpp:spec_decode_num_accepted_tokens_total",
                                      "llamacpp:spec_decode_num_accepted_tokens_per_pos_total",
                                      ("llamacpp:n_decode_total",))
+# TensorRT-LLM's iteration statistics summed client-side into running totals (its /metrics is
+# drained on read, so the adapter keeps the sums and deltas are taken as for counters); no
+# per-position record.
+TRTLLM_COUNTERS = CounterNames(*TRTLLM_SPEC_FIELDS)
 # SGLang's /metrics has no accepted-token counter (its acceptance is per request, in meta_info):
 # only its verify calls are read, as a cross-check.
 SGLANG_COUNTERS = ("sglang:spec_verify_calls_total", "sglang:generation_tokens_total", "sglang:prompt_tokens_total")
@@ -540,7 +596,8 @@ def counter_delta(before: dict, after: dict) -> dict:
 
 def spec_counters(delta: dict, names: CounterNames, k: int) -> SpecCounters:
     """The acceptance record of a counter delta: drafts, draft tokens, accepted tokens and
-    accepted per position (the first k)."""
+    accepted per position (the first k; none where the engine keeps no per-position record)."""
     per = [int(x) for x in delta.get(names.accepted_per_position, [])] if names.accepted_per_position else []
     return SpecCounters(int(delta.get(names.drafts, 0) or 0), int(delta.get(names.draft_tokens, 0) or 0),
-                        int(delta.get(names.accepted_tokens, 0) or 0), (per + [0] * k)[:k])
+                        int(delta.get(names.accepted_tokens, 0) or 0),
+                        (per + [0] * k)[:k] if names.accepted_per_position else [])

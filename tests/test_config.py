@@ -156,7 +156,7 @@ def _adapter_configs():
 
 
 @pytest.mark.parametrize("variant", ["native", "llamacpp", "llamacpp_server", "vllm", "vllm_server", "sglang",
-                                     "sglang_server", "openai_endpoint"])
+                                     "sglang_server", "openai_endpoint", "trtllm_endpoint"])
 def test_every_backend_is_a_typed_node_whose_defaults_are_its_dataclass(variant):
     """backend=NAME composes the adapter's BackendConfig (its defaults written there once), a server
     variant derives the offline node's settings, and the adapter named by _target_ checks its
