@@ -207,16 +207,22 @@ def measure_batch(backend, m: Measurement, ids, bi: int, idx: list[int], c, repe
     m.runs.append((repeat, bi, idx, out))
 
 
+WARM_UP_PROMPT_TOKENS = 512  # a long prompt's first tokens run the same kernels as all of it
+
+
 def warm_up(backend, job: JobPlan) -> None:
     """A short untimed run of each arm on the first batch (under load: every row the load will use,
-    all at once, since servers start with their slots)."""
+    all at once, since servers start with their slots): 4 new tokens after each prompt's first
+    WARM_UP_PROMPT_TOKENS tokens, so that an 8k-token prompt is not prefilled twice more only to warm
+    the engine (at long context that was a fifth of a job's time on a 2-core CPU)."""
     c, plan = job.c, load.plan(job.c["load"])
     warm = dict(c, max_new_tokens=min(4, c["max_new_tokens"]))
     if plan is not None:
         warm["load"] = {"kind": "concurrency", "level": plan.max_rows, "num_requests": plan.max_rows}
     first = job.batches[0][:plan.max_rows] if plan is not None else job.batches[0]
+    ids = [p[:WARM_UP_PROMPT_TOKENS] for p in job.ids]
     for kind in (("baseline", "spec") if job.speculative else ("baseline",)):
-        measure_batch(backend, Measurement(kind), job.ids, 0, first, warm, -1)
+        measure_batch(backend, Measurement(kind), ids, 0, first, warm, -1)
 
 
 def measure_paired(backend, job: JobPlan, probes: environment.RooflineProbes, progress) -> Measured:
