@@ -151,3 +151,20 @@ def test_bad_input_names_the_file_and_what_is_valid(tmp_path):
     r = _import(DATA / "vllm_bench_c2.json", "--out", tmp_path / "x", "--temperature", "-1")
     assert r.returncode == 2 and "--temperature=-1.0: use 0" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_load_cross_check_reads_vllm_bench_records_as_vllm_summarizes_them():
+    """benchmarks/load_crosscheck.py computes both clients' percentiles with one function from
+    their per-request records; on a file `vllm bench serve --save-detailed` wrote here, that
+    function gives back vLLM's own summary (TPOT by its formula, ITL over every gap) to the digit,
+    so a difference between the clients is theirs, not the cross-check's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("load_crosscheck", DATA.parents[2] / "benchmarks" / "load_crosscheck.py")
+    crosscheck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(crosscheck)
+    d = json.loads((DATA / "vllm_bench_c2.json").read_text())
+    got = crosscheck.percentiles(crosscheck.vllm_bench_requests(d))
+    for metric in crosscheck.METRICS:
+        for p in crosscheck.PERCENTILES:
+            assert got[f"{metric}_p{p}"] == pytest.approx(d[f"p{p}_{metric}_ms"], rel=1e-9), (metric, p)
