@@ -122,6 +122,7 @@ def measure(args) -> Path:
     # the server specsweep's vllm_server adapter starts (its flags, its timing plugin), no speculation
     b = VLLMServerBackend({"path": "gemma3-270m"}, {"name": "autoregressive"}, num_speculative_tokens=1,
                           max_num_seqs=max(8, args.concurrency))
+    b.set_artifact_dir(work)  # the server's log beside the runs' files, not in the working directory
     server = b._engine(False, args.concurrency)
     url, model = server.url, b.model_path
     rows, loads = [], []

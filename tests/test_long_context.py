@@ -123,6 +123,26 @@ def test_llama_cpp_in_process_prefills_a_prompt_longer_than_its_micro_batch():
     assert len(base.output_token_ids) == 24 and spec.output_token_ids == base.output_token_ids
 
 
+@pytest.mark.slow
+def test_llama_server_runs_a_long_prompt_job_with_its_repeats_drafting_alike(tmp_path):
+    """The input-length axis on llama-server (the real default model): a 3000-token prompt, its
+    length in the server's own tokens recorded, the job lossless, and the same prompt in its second
+    repeat drafting and accepting exactly as in its first (each repeat's requests start from a clean
+    slot: no drafter state or cached prefix carried over)."""
+    from bench.runner import run_job
+
+    row = run_job(_cfg(tmp_path, "backend=llamacpp_server", "backend.ctx_per_slot=4096", "backend.repack=off",
+                       "method=ngram", "workload=code_edit", "batch_size=1", "prompt_tokens=3000", "num_prompts=1",
+                       "max_new_tokens=48", "ignore_eos=true", "repeats=2", "warmup=false"))
+    assert row["status"] == "ok", row.get("error")
+    assert 2970 <= row["prompt_tokens_median"] <= 3000 and row["lossless"] == "true"
+    req = pd.read_parquet(tmp_path / "long" / row["job"] / "requests.parquet")
+    assert req.n_prompt.between(2970, 3000).all() and (req.n_output == 48).all()
+    spec = req[req.run == "spec"].sort_values("repeat")
+    assert spec.drafted.iloc[0] > 0 and list(spec.drafted) == [spec.drafted.iloc[0]] * 2
+    assert list(spec.accepted) == [spec.accepted.iloc[0]] * 2
+
+
 def test_the_sweeps_time_left_weighs_jobs_by_the_tokens_they_prefill_and_decode(tmp_path, monkeypatch):
     """Three jobs of 512, 2048 and 8192 prompt tokens: after the first, the time left counts the
     later jobs' longer prefills (a prompt token costing what the first job measured), not two more
