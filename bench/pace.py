@@ -1,8 +1,9 @@
 """How long a sweep will take, said before its first job starts.
 
-Every finished job leaves its pace in the user cache (pace.json): the seconds its whole run took per
-decode step it had to do, counting a prompt token as the share of a decode step it measured one to
-cost (TTFT per prompt token over TPOT). The key is what sets that pace: the CPU (as
+Every finished job leaves its pace in the user cache (pace.json): the seconds its whole run took
+against the decode steps it had to do, counting a prompt token as the share of a decode step it
+measured one to cost (TTFT per prompt token over TPOT); a key's latest jobs are kept, and where
+their sizes differ a fixed cost per job is fitted apart from the cost per step. The key is what sets that pace: the CPU (as
 bench.environment names it), the engine, its thread setting, the model and the method. A later
 sweep's job with the same key is estimated from it; a job with none is said to have none, and the
 sweep's progress line estimates the rest from the jobs it has finished (bench/cli.py)."""
@@ -40,21 +41,46 @@ def _read() -> dict:
         return {}
 
 
+KEPT = 8  # the latest jobs kept per key
+
+
 def record(key: str, seconds: float, work: tuple[int, int], prefill_ratio: float | None) -> None:
-    """A finished job's pace: its wall time over its work (prompt tokens, decode tokens; both arms,
-    every repeat: bench.jobspec.job_work)."""
+    """A finished job's pace: its wall time against its work in decode steps (prompt tokens at
+    their measured share of a step, decode tokens; both arms, every repeat: bench.jobspec.job_work).
+    The latest KEPT jobs of a key are kept, so that a fixed cost per job (loading, warm-up) can be
+    told from the cost per step once jobs of different sizes have run."""
     prompt, decode = work
     ratio = prefill_ratio if prefill_ratio and prefill_ratio == prefill_ratio else 0.0
     units = prompt * ratio + decode
     if units <= 0 or seconds <= 0:
         return
     paces = _read()
-    paces[key] = {"s_per_step": seconds / units, "prefill_ratio": ratio}
+    old = paces.get(key) if isinstance(paces.get(key), dict) else {}
+    jobs = [j for j in old.get("jobs", []) if isinstance(j, list) and len(j) == 2][-(KEPT - 1):]
+    paces[key] = {"jobs": jobs + [[units, seconds]], "prefill_ratio": ratio}
     path = pace_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(paces, indent=1, sort_keys=True))
     tmp.replace(path)  # whole or the old one: two sweeps at once never leave half a file
+
+
+def seconds_for(pace: dict, units: float) -> float | None:
+    """A job of `units` decode steps under a key's pace: fixed + per-step seconds fitted on its kept
+    jobs where their sizes differ enough to tell the two apart (least squares, neither negative),
+    else in proportion to the latest job."""
+    jobs = [(float(u), float(t)) for u, t in pace.get("jobs", [])]
+    if not jobs:
+        return None
+    us = [u for u, _ in jobs]
+    if len(jobs) >= 2 and max(us) >= 1.5 * min(us):
+        n, mu, mt = len(jobs), sum(us) / len(jobs), sum(t for _, t in jobs) / len(jobs)
+        slope = sum((u - mu) * (t - mt) for u, t in jobs) / sum((u - mu) ** 2 for u in us)
+        if slope > 0:
+            fixed = max(0.0, mt - slope * mu)
+            return fixed + slope * units
+    u, t = jobs[-1]
+    return t / u * units
 
 
 def estimate(keys: list[str], work: list[tuple[int, int]]) -> tuple[list[float | None], str]:
@@ -64,7 +90,7 @@ def estimate(keys: list[str], work: list[tuple[int, int]]) -> tuple[list[float |
     per_job = []
     for key, (prompt, decode) in zip(keys, work):
         p = paces.get(key)
-        per_job.append(None if p is None else p["s_per_step"] * (prompt * p["prefill_ratio"] + decode))
+        per_job.append(seconds_for(p, prompt * p.get("prefill_ratio", 0.0) + decode) if isinstance(p, dict) else None)
     known = [s for s in per_job if s is not None]
     if not known:
         return per_job, ("no time estimate yet: no job of these engines, models and methods has run on this CPU "

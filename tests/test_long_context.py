@@ -125,19 +125,19 @@ def test_llama_cpp_in_process_prefills_a_prompt_longer_than_its_micro_batch():
 
 @pytest.mark.slow
 def test_llama_server_runs_a_long_prompt_job_with_its_repeats_drafting_alike(tmp_path):
-    """The input-length axis on llama-server (the real default model): a 3000-token prompt, its
+    """The input-length axis on llama-server (the real default model): a 2000-token prompt, its
     length in the server's own tokens recorded, the job lossless, and the same prompt in its second
     repeat drafting and accepting exactly as in its first (each repeat's requests start from a clean
     slot: no drafter state or cached prefix carried over)."""
     from bench.runner import run_job
 
-    row = run_job(_cfg(tmp_path, "backend=llamacpp_server", "backend.ctx_per_slot=4096", "backend.repack=off",
-                       "method=ngram", "workload=code_edit", "batch_size=1", "prompt_tokens=3000", "num_prompts=1",
-                       "max_new_tokens=48", "ignore_eos=true", "repeats=2", "warmup=false"))
+    row = run_job(_cfg(tmp_path, "backend=llamacpp_server", "backend.ctx_per_slot=2560", "backend.repack=off",
+                       "method=ngram", "workload=code_edit", "batch_size=1", "prompt_tokens=2000", "num_prompts=1",
+                       "max_new_tokens=32", "ignore_eos=true", "repeats=2", "warmup=false"))
     assert row["status"] == "ok", row.get("error")
-    assert 2970 <= row["prompt_tokens_median"] <= 3000 and row["lossless"] == "true"
+    assert 1980 <= row["prompt_tokens_median"] <= 2000 and row["lossless"] == "true"
     req = pd.read_parquet(tmp_path / "long" / row["job"] / "requests.parquet")
-    assert req.n_prompt.between(2970, 3000).all() and (req.n_output == 48).all()
+    assert req.n_prompt.between(1980, 2000).all() and (req.n_output == 32).all()
     spec = req[req.run == "spec"].sort_values("repeat")
     assert spec.drafted.iloc[0] > 0 and list(spec.drafted) == [spec.drafted.iloc[0]] * 2
     assert list(spec.accepted) == [spec.accepted.iloc[0]] * 2

@@ -74,10 +74,16 @@ def test_a_sweep_is_estimated_from_the_pace_of_earlier_jobs_with_the_same_key(tm
     pace.record("b", 5.0, (0, 0), None)  # no work: nothing to learn, nothing kept
     assert set(json.loads((tmp_path / "pace.json").read_text())) == {"a"}
     per_job, line = pace.estimate(["a", "c"], [(2000, 200), (10, 10)])
-    assert per_job[0] == pytest.approx(20.0) and per_job[1] is None  # 300 steps at 1/15 s each; c never ran
+    assert per_job[0] == pytest.approx(20.0) and per_job[1] is None  # one job: in proportion; c never ran
     assert line.startswith("estimated time: about 20 s") and "1 of 2 jobs have no earlier run here" in line
-    pace.record("a", 30.0, (1000, 100), 0.05)  # the latest pace replaces the earlier one
-    assert pace.estimate(["a"], [(1000, 100)])[0] == [pytest.approx(30.0)]
+    # jobs of another size tell a fixed cost (5 s: loading, warm-up) from the cost per step (0.05 s)
+    pace.record("f", 5.0 + 0.05 * 150, (1000, 100), 0.05)
+    pace.record("f", 5.0 + 0.05 * 600, (0, 600), None)
+    assert pace.estimate(["f"], [(0, 2000)])[0] == [pytest.approx(5.0 + 0.05 * 2000)]
+    for _ in range(pace.KEPT + 3):  # only the latest jobs are kept
+        pace.record("a", 30.0, (0, 150), None)
+    kept = json.loads((tmp_path / "pace.json").read_text())["a"]["jobs"]
+    assert len(kept) == pace.KEPT and pace.estimate(["a"], [(0, 300)])[0] == [pytest.approx(60.0)]
     (tmp_path / "pace.json").write_text("{not json")  # damaged: estimates start again, nothing raises
     assert pace.estimate(["a"], [(1000, 100)])[0] == [None]
 
