@@ -217,24 +217,28 @@ def vllm_request_counts(block: dict, k: int) -> SpecCounters:
                         int(block.get("num_accepted_draft_tokens") or 0), per_pos)
 
 
+async def sse_events(client, q: Request, path: str, body: dict, engine: str):
+    """The JSON events of a streamed answer: its server-sent `data: {...}` lines, up to `data: [DONE]`."""
+    async with client.stream("POST", q.url + path, json=body, timeout=q.timeout_s) as r:
+        await _check(r, path, engine)
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def openai_stream(client, q: Request) -> RequestOutput:
     """/v1/completions, streamed, with return_token_ids (vLLM): every chunk stamped on arrival; the
     final usage chunk's per-request acceptance, where the server returns it, as the request's own
     acceptance record."""
     ids, times, finish, spec = [], [], None, None
-    async with client.stream("POST", q.url + "/v1/completions", json=request_body("openai_stream", q),
-                             timeout=q.timeout_s) as r:
-        await _check(r, "/v1/completions", "the OpenAI-compatible server")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            spec = ((d.get("metrics") or {}).get("speculative_decoding")) or spec
-            for choice in d.get("choices") or []:  # the usage chunk has none
-                if choice.get("token_ids"):
-                    ids += choice["token_ids"]
-                    times.append(time.perf_counter() - q.t0)
-                finish = choice.get("finish_reason") or finish
+    async for d in sse_events(client, q, "/v1/completions", request_body("openai_stream", q),
+                              "the OpenAI-compatible server"):
+        spec = ((d.get("metrics") or {}).get("speculative_decoding")) or spec
+        for choice in d.get("choices") or []:  # the usage chunk has none
+            if choice.get("token_ids"):
+                ids += choice["token_ids"]
+                times.append(time.perf_counter() - q.t0)
+            finish = choice.get("finish_reason") or finish
     if not times:
         raise BackendError(f"the server at {q.url} streamed no tokens for a prompt of {len(q.prompt)} tokens")
     counts = vllm_request_counts(spec, q.k) if spec and q.k else None
@@ -250,18 +254,12 @@ async def trtllm_stream(client, q: Request) -> RequestOutput:
     per decode iteration so far) gives no draft counts, so a request's acceptance is not read from
     it: the server's iteration statistics (/metrics) give the counts, for the whole server."""
     text, times, finish = [], [], None
-    async with client.stream("POST", q.url + "/v1/completions", json=request_body("trtllm_stream", q),
-                             timeout=q.timeout_s) as r:
-        await _check(r, "/v1/completions", "TensorRT-LLM's server")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            for choice in d.get("choices") or []:  # the usage chunk has none
-                if choice.get("text"):
-                    text.append(choice["text"])
-                    times.append(time.perf_counter() - q.t0)
-                finish = choice.get("finish_reason") or finish
+    async for d in sse_events(client, q, "/v1/completions", request_body("trtllm_stream", q), "TensorRT-LLM's server"):
+        for choice in d.get("choices") or []:  # the usage chunk has none
+            if choice.get("text"):
+                text.append(choice["text"])
+                times.append(time.perf_counter() - q.t0)
+            finish = choice.get("finish_reason") or finish
     if not times:
         raise BackendError(f"the server at {q.url} streamed no text for a prompt of {len(q.prompt)} tokens")
     return RequestOutput(q.to_ids("".join(text)), times[0], times[-1], times, finished_by=_finished_by(finish))
