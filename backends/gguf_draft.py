@@ -9,6 +9,7 @@ quantized tensors copied byte for byte (nothing is re-quantized), and reused aft
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import sys
@@ -38,13 +39,24 @@ def derived_draft_path(target: Path, n_layers: int) -> Path:
 
 def derive_draft(target: Path, n_layers: int) -> Path:
     """The draft GGUF for `target` cut to its first n_layers layers, written if not there yet."""
-    import gguf
-
     check_draft_layers(target, n_layers)
     out = derived_draft_path(target, n_layers)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Two processes wanting the same draft (parallel sweeps, test workers) write it once: the
+    # second waits for the first's lock, then finds the file.
+    with open(out.with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if out.is_file():
+            return out
+        _write_draft(target, n_layers, out)
+    return out
+
+
+def _write_draft(target: Path, n_layers: int, out: Path) -> None:
+    import gguf
+
     print(f"specsweep: deriving a draft from {target.name}'s first {n_layers} layers into {out} (once; "
           "about half a minute on 2 cores)", file=sys.stderr, flush=True)
     reader = gguf.GGUFReader(str(target))
@@ -70,4 +82,3 @@ def derive_draft(target: Path, n_layers: int) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     tmp.replace(out)  # whole or absent: a second job never reads a half-written draft
-    return out

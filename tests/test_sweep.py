@@ -152,13 +152,20 @@ def test_bad_input_anywhere_in_a_sweep_is_refused_before_anything_runs(tmp_path,
     assert "batch_size=4 with num_prompts=2" in r.stderr
 
 
+def _ctrl_c_answered():
+    """In the child: SIGINT back to its default, as in a terminal. A test run started in the
+    background by a shell (`cmd &`) ignores SIGINT, the child inherits that, and Python then
+    never turns Ctrl-C into KeyboardInterrupt: the sweep would run on (seen once, exit 0)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.full
 def test_ctrl_c_keeps_completed_jobs(tmp_path, tiny_llama):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "bench.cli", f"results_dir={tmp_path}", "sweep_name=intr", "model=local",
                           f"model.path={tiny_llama}", "method=ngram", "workload=chat", "batch_size=1,2,3,4",
                           "num_prompts=4", "max_new_tokens=400", "repeats=3"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_answered)
     sweep = tmp_path / "intr"
     deadline = time.time() + 300
     while time.time() < deadline and not list(sweep.glob("*/summary.json")):
