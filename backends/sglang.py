@@ -51,6 +51,8 @@ from .serving import (SGLANG_COUNTERS, Access, api_key_from_env, counter_delta, 
 
 METHODS = ("autoregressive", "ngram", "draft_model", "eagle", "eagle3")
 ALGORITHMS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
+ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3")  # the ones SGLang's adaptive speculative decoding runs (topk 1)
+ADAPTIVE_CONFIG_FILE = "sglang_adaptive_spec.json"  # the file name the tuned schedule's flags name
 
 
 @dataclass
@@ -202,6 +204,30 @@ class SGLangBackend(Backend):
     def engine_config(cls, method: dict, k: int | None) -> list[str]:
         """SGLang's server arguments (speculative_args as launch_server flags); off: none."""
         return [] if k is None else cli_flags(speculative_args(method, k))
+
+    @classmethod
+    def engine_schedule(cls, method: dict, schedule: list[tuple[int, int, int]]) -> list[str] | None:
+        """SGLang's adaptive speculative decoding with one batch-size slot per schedule entry
+        (--speculative-adaptive, --speculative-adaptive-config FILE: engine_schedule_files), each
+        slot's candidate_steps the one k chosen there, so nothing adapts within a slot; EAGLE and
+        EAGLE3 only, topk 1; speculative_num_steps starts at the largest k."""
+        top = max(k for _, _, k in schedule)
+        if top < 1 or ALGORITHMS.get(method.get("name")) not in ADAPTIVE_ALGORITHMS:
+            return None
+        return cli_flags({**speculative_args(method, top), "speculative_adaptive": True,
+                          "speculative_adaptive_config": ADAPTIVE_CONFIG_FILE})
+
+    @classmethod
+    def engine_schedule_files(cls, method: dict, schedule: list[tuple[int, int, int]]) -> dict[str, str]:
+        """The adaptive config: keys are batch sizes, a batch routed to the largest key at or below
+        its size (after CUDA-graph padding), so each entry's k holds from its first batch size up
+        to the next entry's, as the schedule says; candidate_steps [0] turns drafting off there.
+        Read in SGLang's source (python/sglang/srt/speculative/adaptive_spec_params.py and
+        adaptive_step_router.py, main branch, 2026); releases before its batch-size slots take
+        one candidate_steps list for every batch size."""
+        if cls.engine_schedule(method, schedule) is None:
+            return {}
+        return {ADAPTIVE_CONFIG_FILE: json.dumps({str(first): {"candidate_steps": [k]} for first, _, k in schedule})}
 
     def __init__(self, model: dict, method: dict, num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH, **settings):
         self.cfg = checked_settings(settings, SGLangConfig, self.name)

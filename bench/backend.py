@@ -317,6 +317,11 @@ class Backend(abc.ABC):
         return None
 
     @classmethod
+    def engine_schedule_files(cls, method: dict, schedule: list[tuple[int, int, int]]) -> dict[str, str]:
+        """Files the engine_schedule arguments name, as {file name: its text}; most engines none."""
+        return {}
+
+    @classmethod
     def baseline_key(cls, method: dict) -> dict:
         """What of the method config changes this engine's baseline path (the same engine with
         speculation off): part of a shared baseline's identity, so that two methods whose

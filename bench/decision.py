@@ -339,10 +339,11 @@ def batch_schedule(choices: list[tuple[int, str | None, int | None]], method: st
     return out
 
 
-def schedules(tuned: pd.DataFrame, classes: dict) -> list[str]:
+def schedules(tuned: pd.DataFrame, classes: dict, mcfg: dict | None = None) -> list[str]:
     """Per engine, workload and temperature whose choice varies with the batch size and whose
     adapter takes a schedule (Backend.engine_schedule): the one config that runs each measured
-    batch size's choice, for the method chosen at the most batch sizes."""
+    batch size's choice, for the method chosen at the most batch sizes (with the method config a
+    job ran it with, mcfg[(backend, method)], where given), and any file that config names."""
     out = []
     static = tuned[tuned.level.str.match(r"^batch \d+$")] if len(tuned) else tuned
     for (be, w, t), g in static.groupby(["backend", "workload", "temperature"], sort=True):
@@ -354,16 +355,22 @@ def schedules(tuned: pd.DataFrame, classes: dict) -> list[str]:
         choices = [(int(level.split()[1]), m if isinstance(m, str) else None, None if pd.isna(k) else int(k))
                    for level, m, k in zip(g.level, g.method, g.k)]
         sched = batch_schedule(choices, method)
-        argv = cls.engine_schedule({**method_defaults(method), "name": method}, sched)
+        cfg = (mcfg or {}).get((be, method)) or {**method_defaults(method), "name": method}
+        try:
+            argv = cls.engine_schedule(cfg, sched)
+        except ValueError as e:
+            out.append(f"- {be}, {w}, T={t:g}: {method} with k per batch size {sched}: n/a on this engine: {e}")
+            continue
         if argv:
             out.append(f"- {be}, {w}, T={t:g}: {method} with k per batch size {sched}: `{shlex.join(argv)}`")
+            out += [f"  with `{name}` holding `{text}`" for name, text in cls.engine_schedule_files(cfg, sched).items()]
     if out:
         out = ["Batch-size schedules (one engine config for every measured batch size, where the engine takes a "
                "draft length per batch size; each k holds from its batch size up to the next one measured):", ""] + out
     return out + ([""] if out else [])
 
 
-def markdown(tuned: pd.DataFrame, notes: list[str], classes: dict | None = None) -> str:
+def markdown(tuned: pd.DataFrame, notes: list[str], classes: dict | None = None, mcfg: dict | None = None) -> str:
     lines = ["## What to run", "",
              "Per engine: the method and draft length k to switch on, or off, for each workload, temperature and batch "
              "size (or load level), in the engine's own syntax, and the measurement it rests on (speedup against the "
@@ -382,7 +389,7 @@ def markdown(tuned: pd.DataFrame, notes: list[str], classes: dict | None = None)
             lines.append(f"| {r.workload} | {r.temperature:g} | {r.level} | {use} | {cfg.replace('|', '/')} | "
                          f"{rest.replace('|', '/')} |")
         lines.append("")
-    lines += schedules(tuned, classes or {})
+    lines += schedules(tuned, classes or {}, mcfg)
     if notes:
         lines += ["Simulator:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)

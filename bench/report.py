@@ -319,11 +319,11 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> Path:
     if len(errs):
         lines += ["## Jobs that did not complete, or lost requests", ""] + [f"- `{r.job}`: {r.status}: {r.error}" for _, r in errs.iterrows()] + [""]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in made] + [""]
-    from .decision import decide, engine_classes, markdown as decision_markdown
+    from .decision import decide, engine_classes, markdown as decision_markdown, method_configs
 
     choices, notes = decide(df, sweep_dir)  # the report ends with what to run, in each engine's own syntax
     choices.to_csv(out / "tuned_configs.csv", index=False)
-    lines += [decision_markdown(choices, notes, engine_classes(df, sweep_dir))]
+    lines += [decision_markdown(choices, notes, engine_classes(df, sweep_dir), method_configs(df, sweep_dir))]
     text = "\n".join(lines)
     (out / "summary.md").write_text(text)
     (out / "index.json").write_text(json.dumps([p.name for p in made]))

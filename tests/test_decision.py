@@ -344,3 +344,43 @@ def test_a_batch_size_schedule_in_vllms_syntax_from_the_choices_per_batch_size()
     from bench.backend import Backend
 
     assert not schedules(tuned, {"vllm": Backend})
+
+
+def test_a_batch_size_schedule_in_sglangs_adaptive_config_syntax():
+    """SGLang takes a draft length per batch size through its adaptive speculative decoding: a
+    JSON file of batch-size slots, each with its candidate steps (one here, so nothing adapts
+    within a slot), a batch routed to the largest slot key at or below its size (read in SGLang's
+    adaptive_spec_params.py / adaptive_step_router.py; not installed here). EAGLE/EAGLE3 only."""
+    import bisect
+    import json
+    import shlex
+
+    import pandas as pd
+
+    from bench.decision import batch_schedule, schedules
+    from test_sglang import SGLANG_FIELDS
+
+    tuned = pd.DataFrame([{"backend": "sglang_server", "workload": "chat", "temperature": 0.0, "level": f"batch {b}",
+                           "use": f"eagle3 k={k}" if k else "off", "method": "eagle3" if k else None, "k": k or None}
+                          for b, k in ((1, 5), (4, 3), (16, 0))])
+    mcfg = {("sglang_server", "eagle3"): {"name": "eagle3", "head_path": "/models/eagle3-head"}}
+    lines = schedules(tuned, {"sglang_server": SGLangBackend}, mcfg)
+    (i,) = [n for n, x in enumerate(lines) if x.startswith("- sglang_server")]
+    flags = _pairs(shlex.split(lines[i].split("`")[1]))
+    assert set(flags) <= SGLANG_FIELDS | {"speculative_adaptive", "speculative_adaptive_config"}
+    assert flags["speculative_adaptive"] is True and flags["speculative_algorithm"] == "EAGLE3"
+    assert int(flags["speculative_num_steps"]) == 5 and flags["speculative_draft_model_path"] == "/models/eagle3-head"
+    name, text = lines[i + 1].split("`")[1], lines[i + 1].split("`")[3]
+    assert name == flags["speculative_adaptive_config"]
+    slots = {int(b): v["candidate_steps"] for b, v in json.loads(text).items()}
+    assert slots == {1: [5], 4: [3], 16: [0]}
+    # SGLang's routing gives every batch size the k the schedule holds for it
+    keys = sorted(slots)
+    for first, last, k in batch_schedule([(1, "eagle3", 5), (4, "eagle3", 3), (16, None, None)], "eagle3"):
+        for b in range(first, last + 1):
+            assert slots[keys[max(0, bisect.bisect_right(keys, b) - 1)]] == [k]
+    # n-gram (SGLang's adaptive mode runs EAGLE and EAGLE3 only) gets no schedule; a missing head says so
+    assert not [x for x in schedules(tuned.assign(method=tuned.method.map({"eagle3": "ngram"}).fillna(pd.NA)),
+                                     {"sglang_server": SGLangBackend}) if x.startswith("- sglang")]
+    (line,) = [x for x in schedules(tuned, {"sglang_server": SGLangBackend}) if x.startswith("- sglang")]
+    assert "n/a on this engine" in line and "needs method.head_path" in line
