@@ -73,10 +73,12 @@ def _dataclass_rows(cls, prefix: str = "", skip=("_target_",)) -> list[str]:
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f"{f.default_factory.__name__}" if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+        if dataclasses.is_dataclass(factory):
             default = "see below"
+        elif factory is not None:  # a list's default, as a override writes it: [4, 8, 12]
+            default = "[" + ", ".join(map(str, factory())) + "]" if isinstance(factory(), list) else factory.__name__
         rows.append(f"| `{prefix}{f.name}` | {_type(f.type)} | {_fmt(default)} | {notes.get(f.name, '').replace('|', '/')} |")
     return rows
 

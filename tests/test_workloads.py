@@ -140,3 +140,17 @@ def test_every_workload_has_a_typed_node_whose_defaults_its_prompts_use():
         params = list(inspect.signature(fn).parameters.values())[2:]
         assert all(p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in params), name
         assert [p.name for p in params] == [f.name for f in dataclasses.fields(WORKLOAD_SETTINGS[name])][1:], name
+
+
+def test_mixed_takes_its_parts_in_turn_each_prompt_labelled_with_its_workload():
+    ps = load_prompts("mixed", 5, 0)
+    assert [p.category for p in ps] == ["code_edit", "chat", "code_edit", "chat", "code_edit"]
+    # each part's prompts are the part's own (same seed), in its own order
+    assert [p.text for p in ps[0::2]] == [p.text for p in load_prompts("code_edit", 3, 0)]
+    assert [p.text for p in ps[1::2]] == [p.text for p in load_prompts("chat", 3, 0)[:2]]
+    assert len({p.id for p in ps}) == 5
+    three = load_prompts("mixed", 3, 1, parts=["math", "chat", "summarization"])
+    assert [p.category for p in three] == ["math", "chat", "summarization"]
+    for bad in (["poetry"], [], ["mixed"]):
+        with pytest.raises(WorkloadError, match=r"workload.parts=.* is not valid; name one or more of code_edit"):
+            load_prompts("mixed", 2, 0, parts=bad)

@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import gzip
 import json
 import random
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from omegaconf import MISSING
@@ -75,7 +76,8 @@ EDIT_INSTRUCTIONS = [
 ]
 
 
-def _stdlib_functions(min_lines: int, max_lines: int) -> list[tuple[str, str]]:
+@functools.lru_cache(maxsize=8)  # parsing every stdlib module takes seconds; a process may ask again
+def _stdlib_functions(min_lines: int, max_lines: int) -> tuple[tuple[str, str], ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found = []
     for path in sorted(root.glob("*.py")):
@@ -90,7 +92,7 @@ def _stdlib_functions(min_lines: int, max_lines: int) -> list[tuple[str, str]]:
                 n = node.end_lineno - node.lineno + 1
                 if min_lines <= n <= max_lines:
                     found.append((f"{path.stem}.{node.name}", "\n".join(lines[node.lineno - 1 : node.end_lineno])))
-    return found
+    return tuple(found)
 
 
 @dataclass
@@ -371,10 +373,35 @@ def jsonl(num_prompts, seed, path, categories, category_field):
     return [Prompt(f"jsonl-{i}-{qid}", f"Question: {text}\nAnswer:", cat) for i, (qid, cat, text) in enumerate(chosen)]
 
 
+# ------------------------------------------------------------------ mixed: several workloads in turn
+
+@dataclass
+class Mixed(Workload):
+    """Prompts of several built-in workloads in turn (by default code editing, where the output
+    copies the prompt, and chat, where it does not): one workload on which a lookup drafter and a
+    model drafter each win somewhere. Each prompt's category is its workload's name."""
+    name: str = "mixed"
+    parts: list[str] = field(default_factory=lambda: ["code_edit", "chat"])  # built-in workloads, taken in turn
+
+
+def mixed(num_prompts, seed, parts):
+    bad = [w for w in parts if w not in WORKLOADS or w in ("mixed", "jsonl")]
+    if not parts or bad:
+        raise WorkloadError(f"workload.parts={list(parts)} is not valid; name one or more of "
+                            f"{', '.join(w for w in WORKLOADS if w not in ('mixed', 'jsonl'))}")
+    per = {w: WORKLOADS[w](-(-num_prompts // len(parts)), seed, **resolved_settings(w, {})) for w in parts}
+    out = []
+    for i in range(num_prompts):
+        w = parts[i % len(parts)]
+        p = per[w][i // len(parts)]
+        out.append(replace(p, id=f"mixed-{i}-{p.id}", category=w))
+    return out
+
+
 # The registry: every workload a sweep can name (`workload=NAME`): its settings' node and its prompts.
 WORKLOAD_SETTINGS: dict[str, type[Workload]] = {cls().name: cls for cls in (
-    CodeEdit, CodeGen, Chat, Summarization, Translation, Rag, Math, Jsonl)}
-WORKLOADS = {f.__name__: f for f in (code_edit, code_gen, chat, summarization, translation, rag, math, jsonl)}
+    CodeEdit, CodeGen, Chat, Summarization, Translation, Rag, Math, Jsonl, Mixed)}
+WORKLOADS = {f.__name__: f for f in (code_edit, code_gen, chat, summarization, translation, rag, math, jsonl, mixed)}
 
 
 def settings(name: str) -> list[str]:
