@@ -82,6 +82,16 @@ def test_text_recipe_trains_keeps_its_work_and_resumes(tiny_llama, tmp_path, cap
     assert sorted(p.name for p in data.glob("shard-*.pt")) == shards
     assert torch.load(tmp_path / "p_head.work" / "checkpoint.pt")["step"] == 2
 
+    # a second run on a folder in use is refused, naming it
+    from backends.native import train_eagle
+
+    train_eagle._hold(data)
+    try:
+        assert _train(tiny_llama, out, "--max-steps", "10") == 2
+    finally:
+        train_eagle._HELD.pop().close()
+    assert f"another specsweep-train-eagle is using {data}" in capsys.readouterr().err
+
     # a work folder of another recipe is refused, naming the difference
     assert _train(tiny_llama, out, "--draft-vocab", "128", "--max-steps", "1") == 2
     assert "draft_vocab: 256 there, 128 now" in capsys.readouterr().err

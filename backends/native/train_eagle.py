@@ -478,14 +478,33 @@ def _recipe_folder(folder: Path, recipe: dict, what: str) -> Path:
     return folder
 
 
+_HELD: list = []  # the locks of the folders this run uses, held until the process ends
+
+
+def _hold(folder: Path) -> None:
+    """One run at a time per folder: a second one is refused (two writers would interleave shards)."""
+    import fcntl
+
+    f = open(folder / ".lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ValueError(f"another specsweep-train-eagle is using {folder}; wait for it to end, or give another "
+                         "folder (--data-dir, --work-dir)") from None
+    _HELD.append(f)
+
+
 def _folders(a, out: Path) -> tuple[Path, Path]:
     """(text data folder, checkpoint folder) of a --data text run. The data depend only on the
     model, chunk length and seed, so heads of both kinds and any vocabulary train on one copy."""
     data = Path(a.data_dir) if a.data_dir else default_head_dir(a.model, f"text-data-c{a.chunk_tokens}-s{a.seed}")
     _recipe_folder(data, {"model": a.model, "chunk_tokens": a.chunk_tokens, "seed": a.seed}, "text data folder")
+    _hold(data)
     work = Path(a.work_dir) if a.work_dir else Path(str(out) + ".work")
     _recipe_folder(work, {"model": a.model, "parallel": a.parallel, "draft_vocab": a.draft_vocab, "depth": a.depth,
                           "seed": a.seed, "data_dir": str(data)}, "work folder")
+    _hold(work)
     return data, work
 
 
@@ -539,11 +558,13 @@ def _stopped(signum, frame):
 def main(argv=None) -> int:
     import signal
 
-    previous = signal.signal(signal.SIGTERM, _stopped)
+    previous, held_before = signal.signal(signal.SIGTERM, _stopped), len(_HELD)
     try:
         return _main(argv)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        while len(_HELD) > held_before:
+            _HELD.pop().close()  # the folders this run took (closing drops the lock)
 
 
 def _main(argv) -> int:
