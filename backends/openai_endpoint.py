@@ -15,7 +15,6 @@ chunk; not streamed, e2e less the server's own generation time.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -24,9 +23,9 @@ from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BackendConfig, BatchOu
                            SettingError, check_positive_seconds, checked_settings)
 
 
-from .serving import (LLAMA_SERVER_COUNTERS, TRTLLM_COUNTERS, VLLM_COUNTERS, Access, api_key_from_env, counter_delta, detokenize, get,
-                      grant, llama_margins_across_shapes, metrics_page, own_and_aggregate, read_counters, refused,
-                      serve_load, spec_counters, tokenize, trtllm_iteration_totals)
+from .serving import (LLAMA_SERVER_COUNTERS, VLLM_COUNTERS, Access, DrainedIterationStats, PrometheusCounters,
+                      api_key_from_env, counter_delta, detokenize, get, grant, llama_margins_across_shapes, metrics_page,
+                      own_and_aggregate, refused, serve_load, spec_counters, tokenize)
 
 PROBE_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -151,16 +150,16 @@ class Endpoint:
                 raise ValueError(f"backend.{role}={url} is TensorRT-LLM's trtllm-serve, which tokenizes nothing for its "
                                  "clients: give backend.tokenizer=PATH, the served model's tokenizer.json or its folder")
             self.local = LocalTokenizer(cfg.tokenizer)
-        self.counter_names = None
-        self.trtllm_totals = dict.fromkeys(TRTLLM_COUNTERS.names(), 0)  # its /metrics is drained on read: kept here
+        self.reader = None  # how this server's /metrics is read, if it keeps an acceptance record there
         self.no_iteration_stats = False
         page = self.metrics_page()
         if self.trtllm and page is not None and page.lstrip().startswith("["):
-            self.counter_names = TRTLLM_COUNTERS  # iteration statistics (enable_iter_perf_stats)
+            self.reader = DrainedIterationStats()  # iteration statistics (enable_iter_perf_stats)
         for names in () if self.trtllm else (VLLM_COUNTERS, LLAMA_SERVER_COUNTERS):
             if page and names.drafts.split(":")[0] + ":" in page:
-                self.counter_names = names
+                self.reader = PrometheusCounters(names)
                 break
+        self.counter_names = self.reader.names if self.reader else None
 
     def acceptance_source(self) -> str:
         """Where this server's acceptance figures come from (or why there are none)."""
@@ -184,14 +183,7 @@ class Endpoint:
             return None
 
     def counters(self) -> dict:
-        page = self.metrics_page() if self.counter_names else None
-        if self.counter_names is TRTLLM_COUNTERS:
-            # each read returns the iterations since the last one (and empties the server's queue):
-            # summed here into running totals, so that deltas are taken as for counters
-            for f, v in trtllm_iteration_totals(json.loads(page) if page else []).items():
-                self.trtllm_totals[f] += v
-            return dict(self.trtllm_totals)
-        return read_counters(page, self.counter_names.names()) if page else {}
+        return self.reader.read(self.metrics_page()) if self.reader else {}
 
     def tokenize(self, text: str) -> list[int]:
         if self.local:
@@ -259,9 +251,9 @@ class OpenAIEndpointBackend(Backend):
             delta = counter_delta(before, e.counters())
             self._check_k(e, delta)
             sc = spec_counters(delta, e.counter_names, self.k)
-            if e.counter_names is TRTLLM_COUNTERS and not sc.drafts:
-                # trtllm-serve answers /metrics with [] when its iteration statistics are off (and then
-                # for every run): no draft counted is no record, not an acceptance of 0
+            if e.reader.empty_means_off and not sc.drafts:
+                # (trtllm-serve answers /metrics with [] when its iteration statistics are off, and then
+                # for every run)
                 e.no_iteration_stats, sc = True, None
         # each response's own acceptance where the server returns it (a vLLM server run with
         # --per-request-spec-decode-metrics); the /metrics deltas then the cross-check

@@ -551,6 +551,37 @@ LLAMA_SERVER_COUNTERS = CounterNames("llamacpp:spec_decode_num_drafts_total",
 # drained on read, so the adapter keeps the sums and deltas are taken as for counters); no
 # per-position record.
 TRTLLM_COUNTERS = CounterNames(*TRTLLM_SPEC_FIELDS)
+
+
+class PrometheusCounters:
+    """A /metrics page of Prometheus counters (vLLM, llama-server): each read gives the running
+    totals, and a run's figures are the difference of two reads."""
+    empty_means_off = False
+
+    def __init__(self, names: CounterNames):
+        self.names = names
+
+    def read(self, page: str | None) -> dict:
+        return read_counters(page, self.names.names()) if page else {}
+
+
+class DrainedIterationStats:
+    """TensorRT-LLM's /metrics: the iteration statistics since the last read (JSON), which the
+    read empties. Summed here into running totals, so a run's figures are a difference of two
+    reads as for counters. A run that counted no draft means the statistics are off
+    (enable_iter_perf_stats), not an acceptance of 0."""
+    empty_means_off = True
+
+    def __init__(self):
+        self.names = TRTLLM_COUNTERS
+        self.totals = dict.fromkeys(TRTLLM_COUNTERS.names(), 0)
+
+    def read(self, page: str | None) -> dict:
+        for f, v in trtllm_iteration_totals(json.loads(page) if page else []).items():
+            self.totals[f] += v
+        return dict(self.totals)
+
+
 # SGLang's /metrics has no accepted-token counter (its acceptance is per request, in meta_info):
 # only its verify calls are read, as a cross-check.
 SGLANG_COUNTERS = ("sglang:spec_verify_calls_total", "sglang:generation_tokens_total", "sglang:prompt_tokens_total")
