@@ -52,6 +52,7 @@ def _train(tiny_llama, out, *extra):
                  "--workloads", "code_edit", "chat", "--eval-every", "0.001", *extra])
 
 
+@pytest.mark.full  # about 20 s: three training runs and their final checks
 def test_text_recipe_trains_keeps_its_work_and_resumes(tiny_llama, tmp_path, capsys):
     out = tmp_path / "head"
     assert _train(tiny_llama, out, "--max-steps", "6") == 0
