@@ -9,11 +9,12 @@ quantized tensors copied byte for byte (nothing is re-quantized), and reused aft
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import sys
 from pathlib import Path
+
+from bench.backend import file_lock
 
 from .cpu_probe import cache_root
 
@@ -46,8 +47,7 @@ def derive_draft(target: Path, n_layers: int) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Two processes wanting the same draft (parallel sweeps, test workers) write it once: the
     # second waits for the first's lock, then finds the file.
-    with open(out.with_suffix(".lock"), "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with file_lock(out.with_suffix(".lock")):
         if out.is_file():
             return out
         _write_draft(target, n_layers, out)

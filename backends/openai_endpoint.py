@@ -159,7 +159,11 @@ class Endpoint:
             if page and names.drafts.split(":")[0] + ":" in page:
                 self.reader = PrometheusCounters(names)
                 break
-        self.counter_names = self.reader.names if self.reader else None
+
+    @property
+    def counter_names(self):
+        """The names of the acceptance record this server's /metrics keeps (None: it keeps none)."""
+        return self.reader.names if self.reader else None
 
     def acceptance_source(self) -> str:
         """Where this server's acceptance figures come from (or why there are none)."""

@@ -108,6 +108,12 @@ def speculative_args(method: dict, k: int) -> dict:
     return args
 
 
+def _adaptive_top_k(method: dict, schedule: list[tuple[int, int, int]]) -> int | None:
+    """The largest k of a schedule SGLang's adaptive mode can run for this method, else None."""
+    top = max(k for _, _, k in schedule)
+    return top if top >= 1 and ALGORITHMS.get(method.get("name")) in ADAPTIVE_ALGORITHMS else None
+
+
 def engine_args(model_path: str, cfg: SGLangConfig, spec: dict) -> dict:
     """ServerArgs fields (sglang.Engine keyword arguments; launch_server's flags with - for _)."""
     return {"model_path": model_path, "dtype": cfg.dtype, "context_length": cfg.context_length,
@@ -211,8 +217,8 @@ class SGLangBackend(Backend):
         (--speculative-adaptive, --speculative-adaptive-config FILE: engine_schedule_files), each
         slot's candidate_steps the one k chosen there, so nothing adapts within a slot; EAGLE and
         EAGLE3 only, topk 1; speculative_num_steps starts at the largest k."""
-        top = max(k for _, _, k in schedule)
-        if top < 1 or ALGORITHMS.get(method.get("name")) not in ADAPTIVE_ALGORITHMS:
+        top = _adaptive_top_k(method, schedule)
+        if top is None:
             return None
         return cli_flags({**speculative_args(method, top), "speculative_adaptive": True,
                           "speculative_adaptive_config": ADAPTIVE_CONFIG_FILE})
@@ -225,7 +231,7 @@ class SGLangBackend(Backend):
         Read in SGLang's source (python/sglang/srt/speculative/adaptive_spec_params.py and
         adaptive_step_router.py, main branch, 2026); releases before its batch-size slots take
         one candidate_steps list for every batch size."""
-        if cls.engine_schedule(method, schedule) is None:
+        if _adaptive_top_k(method, schedule) is None:
             return {}
         return {ADAPTIVE_CONFIG_FILE: json.dumps({str(first): {"candidate_steps": [k]} for first, _, k in schedule})}
 

@@ -7,10 +7,25 @@ per-cycle counts); every metric is computed from them in bench.metrics, the same
 from __future__ import annotations
 
 import abc
+import contextlib
+import fcntl
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive lock between processes, held for the block (parallel launchers share a results
+    folder; parallel sweeps or test workers share the user cache)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cache_root() -> Path:

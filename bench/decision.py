@@ -113,6 +113,12 @@ def method_configs(df: pd.DataFrame, sweep_dir: Path) -> dict:
     return out
 
 
+def job_method_config(mcfg: dict, backend: str, method: str) -> dict:
+    """The method config a job of the sweep ran `method` with on `backend` (method_configs), else
+    the method's defaults."""
+    return mcfg.get((backend, method)) or {**method_defaults(method), "name": method}
+
+
 def simulate_missing(df: pd.DataFrame, sweep_dir: Path) -> tuple[pd.DataFrame, list[str]]:
     """fixed:M:K simulated from the sweep's traces under its fitted cost model: rows (backend,
     workload, batch_size, method, k, speedup, traces), and notes on what was not simulated and why."""
@@ -226,7 +232,7 @@ class _Rows:
         cls = self.classes.get(be)
         if cls is None or isinstance(cls, str):
             return f"n/a: {cls or 'no job config names its adapter'}"
-        cfg = (self.mcfg.get((be, method)) or {**method_defaults(method), "name": method}) if method else {}
+        cfg = job_method_config(self.mcfg, be, method) if method else {}
         try:
             argv = cls.engine_config(cfg, k)
         except ValueError as e:
@@ -355,7 +361,7 @@ def schedules(tuned: pd.DataFrame, classes: dict, mcfg: dict | None = None) -> l
         choices = [(int(level.split()[1]), m if isinstance(m, str) else None, None if pd.isna(k) else int(k))
                    for level, m, k in zip(g.level, g.method, g.k)]
         sched = batch_schedule(choices, method)
-        cfg = (mcfg or {}).get((be, method)) or {**method_defaults(method), "name": method}
+        cfg = job_method_config(mcfg or {}, be, method)
         try:
             argv = cls.engine_schedule(cfg, sched)
         except ValueError as e:

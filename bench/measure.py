@@ -19,8 +19,8 @@ import pandas as pd
 from hydra.utils import get_class
 
 from . import environment, load
-from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, Sampling, SpecCounters
-from .results import (MANIFEST, baseline_identity, file_lock, incomplete_reason, read_json, short_hash, write_json,
+from .backend import CYCLE_FIELDS, Backend, BackendError, BatchOutput, Sampling, SpecCounters, file_lock
+from .results import (MANIFEST, baseline_identity, incomplete_reason, read_json, short_hash, write_json,
                       write_manifest, write_parquet)
 
 log = logging.getLogger("specsweep")

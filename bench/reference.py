@@ -77,8 +77,9 @@ def _dataclass_rows(cls, prefix: str = "", skip=("_target_",)) -> list[str]:
         default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
         if dataclasses.is_dataclass(factory):
             default = "see below"
-        elif factory is not None:  # a list's default, as a override writes it: [4, 8, 12]
-            default = "[" + ", ".join(map(str, factory())) + "]" if isinstance(factory(), list) else factory.__name__
+        elif factory is not None:  # a list's default, as an override writes it: [4, 8, 12]
+            made = factory()
+            default = "[" + ", ".join(map(str, made)) + "]" if isinstance(made, list) else factory.__name__
         rows.append(f"| `{prefix}{f.name}` | {_type(f.type)} | {_fmt(default)} | {notes.get(f.name, '').replace('|', '/')} |")
     return rows
 

@@ -6,8 +6,6 @@ results/<sweep_name>/index.parquet, index.csv   one row per job (its summary)
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -17,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pandas as pd
+
+from .backend import file_lock
 
 COMPLETE_STATUSES = ("ok", "skipped")
 # statuses that fail a sweep (exit 1) and a gate; partial: measured under load with failed requests
@@ -145,18 +145,6 @@ def write_parquet(path: Path, df: pd.DataFrame) -> None:
 
 def write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda p: p.write_text(text))
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive lock between processes (parallel launchers share the results folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def short_hash(obj) -> str:

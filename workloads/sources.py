@@ -385,10 +385,9 @@ class Mixed(Workload):
 
 
 def mixed(num_prompts, seed, parts):
-    bad = [w for w in parts if w not in WORKLOADS or w in ("mixed", "jsonl")]
+    bad = [w for w in parts if w not in BUILT_IN]
     if not parts or bad:
-        raise WorkloadError(f"workload.parts={list(parts)} is not valid; name one or more of "
-                            f"{', '.join(w for w in WORKLOADS if w not in ('mixed', 'jsonl'))}")
+        raise WorkloadError(f"workload.parts={list(parts)} is not valid; name one or more of {', '.join(BUILT_IN)}")
     per = {w: WORKLOADS[w](-(-num_prompts // len(parts)), seed, **resolved_settings(w, {})) for w in parts}
     out = []
     for i in range(num_prompts):
@@ -402,6 +401,8 @@ def mixed(num_prompts, seed, parts):
 WORKLOAD_SETTINGS: dict[str, type[Workload]] = {cls().name: cls for cls in (
     CodeEdit, CodeGen, Chat, Summarization, Translation, Rag, Math, Jsonl, Mixed)}
 WORKLOADS = {f.__name__: f for f in (code_edit, code_gen, chat, summarization, translation, rag, math, jsonl, mixed)}
+# the workloads with prompts of their own (not a user's file, not a mix of others)
+BUILT_IN = tuple(w for w in WORKLOADS if w not in ("jsonl", "mixed"))
 
 
 def settings(name: str) -> list[str]:

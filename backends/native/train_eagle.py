@@ -453,12 +453,11 @@ def _checked_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
         ap.error(f"--budget={a.budget} is not valid; the final check alone takes about {EVAL_RESERVE_S // 60} minutes")
     if a.data == "generations" and (a.work_dir or a.data_dir):
         ap.error("--work-dir and --data-dir are for --data text (generated data is not kept)")
-    from workloads import WORKLOADS
+    from workloads.sources import BUILT_IN
 
-    own = [w for w in WORKLOADS if w not in ("jsonl", "mixed")]  # workloads with prompts of their own
-    bad = [w for w in a.workloads if w not in own]
+    bad = [w for w in a.workloads if w not in BUILT_IN]
     if bad:
-        ap.error(f"--workloads {bad} not valid; use built-in ones: {', '.join(own)}")
+        ap.error(f"--workloads {bad} not valid; use built-in ones: {', '.join(BUILT_IN)}")
     return a
 
 
