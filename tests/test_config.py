@@ -257,3 +257,19 @@ def test_the_pre_check_expands_a_sweep_as_hydras_basic_sweeper_does():
     assert sorted(map(tuple, jobs)) == sorted((f"method={m}", "workload=chat", f"batch_size={b}", "repeats=3")
                                              for m in ("ngram", "draft_model") for b in (1, 4))
     assert len(default) == 8 and {j[1] for j in default} == {"workload=code_edit", "workload=chat"}
+
+
+def test_an_interpolated_override_reaches_each_job_unresolved():
+    """num_prompts=${batch_size}: each job resolves it in its own config (one batch a job at
+    every batch size), as Hydra's sweeper hands it on; the pre-check must not resolve it first
+    against the multirun's defaults (it did: batch 4 with num_prompts=1 was refused)."""
+    from bench.sweeper import sweep_jobs
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        from hydra.core.global_hydra import GlobalHydra
+
+        multirun = compose("config", overrides=["workload=chat", "num_prompts=${batch_size}"], return_hydra_config=True)
+        jobs = sweep_jobs(multirun)  # the default sweep: batch 1 and 4
+        loader = GlobalHydra.instance().config_loader()
+        got = sorted((int(c.batch_size), int(c.num_prompts)) for c in (loader.load_sweep_config(multirun, j) for j in jobs))
+    assert got == [(1, 1), (1, 1), (4, 4), (4, 4)]
