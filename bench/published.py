@@ -185,13 +185,14 @@ def _split(args: str) -> tuple[str, list[str], list[str]]:
     return folder, cols, where
 
 
-def expand(kind: str, args: str) -> str:
-    """The text a marker stands for, from its folder's data."""
+def expand(kind: str, args: str, data: tuple | None = None) -> str:
+    """The text a marker stands for, from its folder's data (or from `data`, (rows, environment),
+    for a folder being rendered wherever it was written)."""
     if kind == "folders":
         return "\n" + "\n".join(_folder_line(p) for p in sorted(MEASUREMENTS.iterdir(), reverse=True)
                                 if (p / "index.md").exists() and (p / "environment.json").exists()) + "\n"
     folder, cols, where = _split(args)
-    df, env = _rows(folder)
+    df, env = data if data is not None else _rows(folder)
     if kind == "machine":
         span, start = env.get("loadavg_range"), env.get("loadavg_start")
         load = (f", load average {span[0]:g}-{span[1]:g}" if span else
@@ -242,9 +243,10 @@ def render(folder: Path) -> Path:
     if not cols:  # not a sweep's rows (a benchmark's own figures): every column it recorded
         cols = [c for c in df.columns if has(c)]
     lines = [f"# {env.get('title', name)}, {env.get('date', '')}", "",
-             f"Machine: <!-- machine {name} -->{expand('machine', name)}<!-- /machine -->; commit "
+             f"Machine: <!-- machine {name} -->{expand('machine', name, (df, env))}<!-- /machine -->; commit "
              f"{env.get('git_commit')}.", "",
-             f"<!-- table {name} {' '.join(cols)} -->{expand('table', name + ' ' + ' '.join(cols))}<!-- /table -->", "",
+             f"<!-- table {name} {' '.join(cols)} -->{expand('table', name + ' ' + ' '.join(cols), (df, env))}<!-- /table -->",
+             "",
              "Commands (from the repository root):", "", "```bash", *env.get("commands", []), "```", ""]
     if env.get("note"):
         lines += [env["note"], ""]
