@@ -15,13 +15,27 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 
+class LockBusy(RuntimeError):
+    """file_lock(wait=False) found the lock held by another process."""
+
+
 @contextlib.contextmanager
-def file_lock(path: Path):
+def file_lock(path: Path, wait: bool = True, on_wait=None):
     """An exclusive lock between processes, held for the block (parallel launchers share a results
-    folder; parallel sweeps or test workers share the user cache)."""
+    folder; parallel sweeps or test workers share the user cache). wait=False: LockBusy at once
+    if another process holds it (a run that refuses rather than queues); on_wait(): called once
+    before waiting (to say who is waited for). The kernel drops it with its holder, however that
+    process ends."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                raise LockBusy(f"{path} is held by another process") from None
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:

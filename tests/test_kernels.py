@@ -238,3 +238,28 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_run():
                           "print(kernels.load_rowdot(print))"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "None", out.stdout + out.stderr[-2000:]
     assert "left by a build that was stopped" in out.stdout and not lock.exists()
+
+
+def test_a_second_builder_waits_for_the_first_and_says_so(tmp_path):
+    """One inter-process lock (bench.backend.file_lock) serves the build: a second process finding
+    it held says it waits, then waits until the holder lets go; with wait=False it is refused at
+    once (specsweep-train-eagle's folders)."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.backend import LockBusy, file_lock
+
+    flock = tmp_path / "specsweep.flock"
+    with file_lock(flock):
+        with pytest.raises(LockBusy):
+            with file_lock(flock, wait=False):
+                pass
+        waiter = subprocess.Popen([sys.executable, "-c", "from pathlib import Path\nfrom backends.native import kernels\n"
+                                   f"with kernels._build_held(Path({str(tmp_path)!r}), print):\n    print('building', flush=True)"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert "another process is building" in waiter.stdout.readline()
+        time.sleep(0.5)
+        assert waiter.poll() is None  # still waiting while the lock is held here
+    out, _ = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0 and out.strip() == "building"

@@ -19,7 +19,6 @@ near it.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import statistics
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from bench.backend import file_lock
 
 from ..cpu_probe import cache_root, cpu_identity, write_cached
 
@@ -108,14 +109,11 @@ def _build_held(build_dir: Path, log=None):
     mid-build (a test run stopped, a job's time limit) leaves that file behind, and from then on
     every run waits forever, silently. specsweep's builders take this lock first: whoever holds it
     is the only one of them building, so a torch lock it finds is a dead builder's, removed."""
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "specsweep.flock", "w") as held:
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if log:
-                log(f"kernels: another process is building rowdot.cpp in {build_dir}; waiting for it")
-            fcntl.flock(held, fcntl.LOCK_EX)
+    def waiting():
+        if log:
+            log(f"kernels: another process is building rowdot.cpp in {build_dir}; waiting for it")
+
+    with file_lock(build_dir / "specsweep.flock", on_wait=waiting):
         stale = build_dir / "lock"
         if stale.exists():
             if log:

@@ -482,16 +482,17 @@ _HELD: list = []  # the locks of the folders this run uses, held until the proce
 
 def _hold(folder: Path) -> None:
     """One run at a time per folder: a second one is refused (two writers would interleave shards)."""
-    import fcntl
+    from contextlib import ExitStack
 
-    f = open(folder / ".lock", "w")
+    from bench.backend import LockBusy, file_lock
+
+    held = ExitStack()
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
+        held.enter_context(file_lock(folder / ".lock", wait=False))
+    except LockBusy:
         raise ValueError(f"another specsweep-train-eagle is using {folder}; wait for it to end, or give another "
                          "folder (--data-dir, --work-dir)") from None
-    _HELD.append(f)
+    _HELD.append(held)
 
 
 def _folders(a, out: Path) -> tuple[Path, Path]:
