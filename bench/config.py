@@ -45,7 +45,7 @@ class SweepConfig:
     num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH  # draft length k: tokens drafted per cycle (at most)
     max_new_tokens: int = 48  # tokens generated per request
     # Input length in the target's own tokens: each prompt's context is cut to the longest prefix
-    # within it (workloads with long context: code_edit, summarization, rag; others are refused);
+    # within it (workloads with long context: code_edit, summarization, rag, chat; others are refused);
     # null: the workload's own prompt lengths.
     prompt_tokens: int | None = None
     ignore_eos: bool = False  # generate max_new_tokens whatever the end-of-sequence token (output-length runs)

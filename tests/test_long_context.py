@@ -16,13 +16,13 @@ def _cfg(tmp_path, *overrides):
 
 
 def test_a_workload_without_long_context_or_a_length_past_its_text_is_refused_naming_what_can():
-    with pytest.raises(WorkloadError, match=r"workload chat has no long context.*code_edit.*summarization.*rag"):
-        load_prompts("chat", 2, 0, prompt_tokens=512)
+    with pytest.raises(WorkloadError, match=r"workload math has no long context.*code_edit.*summarization.*rag.*chat"):
+        load_prompts("math", 2, 0, prompt_tokens=512)
     with pytest.raises(WorkloadError, match=r"prompt_tokens=100000000: workload summarization holds at most \d+"):
         load_prompts("summarization", 2, 0, prompt_tokens=10**8)
 
 
-@pytest.mark.parametrize("workload", ["code_edit", "summarization", "rag"])
+@pytest.mark.parametrize("workload", ["code_edit", "summarization", "rag", "chat"])
 def test_a_prompt_is_cut_to_the_longest_context_within_the_target(workload):
     tokenize = lambda text: text.split()  # noqa: E731 (a word tokenizer: every count checkable by hand)
     p = load_prompts(workload, 1, 3, prompt_tokens=700)[0]
@@ -166,3 +166,32 @@ def test_the_sweeps_time_left_weighs_jobs_by_the_tokens_they_prefill_and_decode(
     now[0] += 30.0
     cli.SweepProgress.done = 1
     assert cli.SweepProgress.left_s() == pytest.approx(60.0)
+
+
+@pytest.mark.parametrize("method", [{"name": "autoregressive"}, {"name": "draft_model", "draft_layers": 2}])
+def test_a_long_prompt_prefilled_in_pieces_gives_the_tokens_of_one_piece(tiny_llama, monkeypatch, method):
+    """The native engine takes a prompt longer than Transformer.prefill_chunk_tokens in pieces (the
+    target's and a draft model's prefill alike), each attending to the cache the pieces before it
+    wrote: memory bounded at 32k, the same greedy tokens as one forward over the whole prompt."""
+    from backends.native import NativeBackend
+    from backends.native.model import Transformer
+    from bench.backend import Sampling
+
+    b = NativeBackend({"path": str(tiny_llama)}, method, num_speculative_tokens=3)
+    ids = [b.tokenize("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\ndef sub(a, b):\n"
+                      "    return a - b\n\n\ndef div(a, b):\n    return")]
+    assert len(ids[0]) > 20
+    speculative = method["name"] != "autoregressive"
+    whole = b.generate(ids, Sampling(), 16, speculative=speculative).requests[0].output_token_ids
+    widths, forward = [], Transformer.forward
+
+    def spy(self, tokens, pos, *a, **kw):
+        if int(pos.min()) == 0 or tokens.shape[1] > 4:  # a prefill's piece (a verify is at most k + 1 = 4)
+            widths.append(tokens.shape[1])
+        return forward(self, tokens, pos, *a, **kw)
+
+    monkeypatch.setattr(Transformer, "prefill_chunk_tokens", 7)
+    monkeypatch.setattr(Transformer, "forward", spy)
+    pieces = b.generate(ids, Sampling(), 16, speculative=speculative).requests[0].output_token_ids
+    assert list(pieces) == list(whole)
+    assert widths and max(widths) == 7  # it did go in pieces

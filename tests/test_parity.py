@@ -65,3 +65,38 @@ def test_llama_family_matches_transformers(arch, tmp_path):
         want = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                             eos_token_id=None)[0, len(ids):].tolist()
     assert out[0].tokens == want
+
+
+@pytest.mark.slow
+def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transformers(gemma, monkeypatch):
+    """A prompt past Gemma 3's 512-slot window, prefilled in pieces and decoded: the sliding-window
+    layers read only the slots their queries reach (model.Transformer.forward), which must leave
+    every position's logits as transformers computes them over every slot with its mask; the
+    greedy tokens are transformers' choices but at near-ties (top-2 margin below 1e-3, where fp32
+    summation order decides), and the same whether the prompt went in pieces or whole."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.native.model import Transformer
+
+    model, tok, args, path = gemma
+    assert args.sliding_window == 512
+    ids = _prompts(tok, 900)[1]
+    assert len(ids) == 900
+    model.setup_cache(1, 1024)
+    whole = generate(model, [ids], 16, SamplingParams())[0][0].tokens
+    monkeypatch.setattr(Transformer, "prefill_chunk_tokens", 256)  # four pieces, the later ones past the window
+    pieces = generate(model, [ids], 16, SamplingParams())[0][0].tokens
+    assert pieces == whole
+    seq = ids + pieces
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([seq])).logits[0, 512:]
+        ours = []  # the prompt in pieces, then one token at a time: every step from 768 on reads a cut window
+        for a, b in ((0, 256), (256, 512), (512, 768), (768, 900)) + tuple((p, p + 1) for p in range(900, len(seq))):
+            ours.append(model(torch.tensor([seq[a:b]]), torch.arange(a, b)[None])[0])
+        ours = torch.cat(ours)[512:]
+    assert (ours - theirs).abs().max().item() < TOL
+    step = theirs[899 - 512:-1]  # the logits that chose each generated token
+    top2 = torch.topk(step, 2, dim=-1).values
+    for i, (mine, choice) in enumerate(zip(pieces, step.argmax(-1).tolist())):
+        assert mine == choice or float(top2[i, 0] - top2[i, 1]) < 1e-3, (i, mine, choice)

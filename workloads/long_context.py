@@ -1,6 +1,6 @@
 """Long prompts for the input-length axis (`prompt_tokens`), all from text this machine has: the
 Python standard library's source (long code) and its language reference (pydoc_data.topics: long
-documents and retrieved passages).
+documents, retrieved passages, and the earlier turns of a long conversation).
 
 A workload that can reach long lengths builds each prompt as head + context + tail, the context as
 long as the machine allows; `fit_prompt` then cuts the context to the longest prefix for which the
@@ -15,7 +15,7 @@ import sysconfig
 from dataclasses import replace
 from pathlib import Path
 
-from .sources import EDIT_INSTRUCTIONS, Prompt, WorkloadError, _choose, _clip, _pydoc_topics, _stdlib_functions
+from .sources import CHAT_QUESTIONS, EDIT_INSTRUCTIONS, Prompt, WorkloadError, _choose, _clip, _pydoc_topics, _stdlib_functions
 
 # Characters a token takes at most, for deciding before any model loads whether a workload's
 # context can reach a length: a length needing more characters than the context holds at this
@@ -102,10 +102,34 @@ def long_rag(num_prompts, seed, chars, max_chars):
     return out
 
 
-LONG_CONTEXT = {"code_edit": long_code_edit, "summarization": long_summarization, "rag": long_rag}
+def long_chat(num_prompts, seed, chars):
+    """chat as a long conversation: earlier turns before the question asked, each a question
+    about a section of the language reference answered by that section's text (the only
+    answers this machine holds without a model to write them), in chat's own template."""
+    topics = _pydoc_topics()
+    qs = _choose(CHAT_QUESTIONS, num_prompts, seed, "chat questions")
+    out = []
+    for i, q in enumerate(qs):
+        names = sorted(topics)
+        random.Random(seed + i).shuffle(names)
+        turns, n = [], 0
+        for name in names:
+            turns.append(f"Question: What does the Python documentation say about '{name}'?\n"
+                         f"Answer: {topics[name].strip()}\n\n")
+            n += len(turns[-1])
+            if n >= chars:
+                break
+        tail = f"\n\nQuestion: {q}\nAnswer:"  # apart from a last turn the cut may end inside
+        out.append(Prompt(f"chat-{i}", tail, "chat", context="".join(turns), tail=tail))
+    return out
+
+
+LONG_CONTEXT = {"code_edit": long_code_edit, "summarization": long_summarization, "rag": long_rag, "chat": long_chat}
 SOURCES = {"code_edit": "the Python standard library's source files, the edited function's module first",
            "summarization": "the Python language reference (pydoc_data.topics), concatenated",
-           "rag": "the Python language reference's sections as numbered passages"}
+           "rag": "the Python language reference's sections as numbered passages",
+           "chat": "earlier turns of the conversation: questions on the Python language reference's sections, "
+                   "answered by their text"}
 
 
 def long_prompts(name: str, num_prompts: int, seed: int, prompt_tokens: int, **params) -> list[Prompt]:

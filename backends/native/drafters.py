@@ -126,11 +126,14 @@ class ModelDrafter(Drafter):
         self.model.setup_cache(max_batch, max_len)
 
     def _feed(self, row: int, tokens: list[int], start: int):
-        """Write the KV of tokens at positions start.. for one row (no logits)."""
+        """Write the KV of tokens at positions start.. for one row (no logits), a long run in the
+        draft's prefill pieces (engine.prefill's reason)."""
         dev = self.model.embed.weight.device
-        toks = torch.tensor([tokens], device=dev)
-        pos = torch.arange(start, start + len(tokens), device=dev)[None]
-        self.model(toks, pos, rows=torch.tensor([row], device=dev), logits_for=torch.zeros_like(toks, dtype=torch.bool))
+        chunk = getattr(self.model, "prefill_chunk_tokens", None) or len(tokens)
+        for a in range(0, len(tokens), chunk):
+            toks = torch.tensor([tokens[a:a + chunk]], device=dev)
+            pos = torch.arange(start + a, start + a + toks.shape[1], device=dev)[None]
+            self.model(toks, pos, rows=torch.tensor([row], device=dev), logits_for=torch.zeros_like(toks, dtype=torch.bool))
 
     def prefill(self, row: int, prompt: list[int], features=None):
         if self.lazy:

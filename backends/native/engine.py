@@ -83,12 +83,21 @@ def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, 
     dev = model.device
     p = row.seq
     model.rollback(row.slot, 0)  # a slot reused under load: its previous occupant's KV goes
-    toks = torch.tensor([p], device=dev)
-    last = torch.zeros_like(toks, dtype=torch.bool)
-    last[0, -1] = True
-    logits = model(toks, torch.arange(len(p), device=dev)[None], rows=torch.tensor([row.slot], device=dev),
-                   logits_for=last, capture=drafter.capture)
-    logits, feats = logits if drafter.capture else (logits, None)
+    # A target that says so (prefill_chunk_tokens) takes a long prompt in pieces, each attending
+    # to the cache the ones before it wrote: its attention then holds chunk x prompt scores at
+    # most, not prompt x prompt (at 32k tokens, gigabytes a head). Only the last piece's last
+    # position needs logits.
+    chunk = getattr(model, "prefill_chunk_tokens", None) or len(p)
+    slot, parts = torch.tensor([row.slot], device=dev), []
+    for a in range(0, len(p), chunk):
+        toks = torch.tensor([p[a:a + chunk]], device=dev)
+        last = torch.zeros_like(toks, dtype=torch.bool)
+        last[0, -1] = a + chunk >= len(p)
+        out = model(toks, torch.arange(a, a + toks.shape[1], device=dev)[None], rows=slot, logits_for=last,
+                    capture=drafter.capture)
+        logits, f = out if drafter.capture else (out, None)
+        parts.append(f)
+    feats = torch.cat(parts, dim=1) if drafter.capture else None
     tok, _ = select(logits, sp, gen)
     drafter.prefill(row.slot, list(p), None if feats is None else feats[0])
     row.seq.append(int(tok))

@@ -21,6 +21,10 @@ from .quantized import QuantizedWeight
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 COMPILED_MAX_T = 32  # decode and verify shapes; a prefill (as long as its prompt) runs eager
 KV_BUCKET = 128  # a compiled step reads the cache in steps of this many positions: few CUDA graphs, not one a length
+# A prompt longer than this is prefilled in pieces of it (engine.prefill): attention's scores then
+# take chunk x context (2048 x 32k x fp32 = 256 MB a head), not context x context (4 GB a head at
+# 32k), and each piece is still long enough that its products run at full width.
+PREFILL_CHUNK_TOKENS = 2048
 
 
 @dataclass
@@ -145,8 +149,9 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor, kv_len: int, prefix: bool | None = None):
-        """Write the new positions' k/v, return each row's first kv_len positions. rows: [B, 1],
+    def update(self, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor, kv_len: int, prefix: bool | None = None,
+               kv_start: int = 0):
+        """Write the new positions' k/v, return each row's positions kv_start..kv_len-1. rows: [B, 1],
         pos: [B, T], k/v: [B, T, n_kv, D]. prefix: the rows are slots 0..B-1 (a view, no copy);
         None decides it from the rows (eager), a compiled step is told (no data-dependent branch)."""
         self.k[rows, pos] = k
@@ -154,14 +159,14 @@ class KVCache:
         if prefix is not None:
             n = rows.shape[0]
             if prefix:
-                return self.k[:n, :kv_len], self.v[:n, :kv_len]
+                return self.k[:n, kv_start:kv_len], self.v[:n, kv_start:kv_len]
             r = rows[:, 0]
-            return self.k[r, :kv_len], self.v[r, :kv_len]
+            return self.k[r, kv_start:kv_len], self.v[r, kv_start:kv_len]
         r = rows[:, 0]
         first, n = int(r[0]), len(r)
         if int(r[-1]) - first == n - 1 and (n == 1 or bool((r[1:] - r[:-1] == 1).all())):
-            return self.k[first : first + n, :kv_len], self.v[first : first + n, :kv_len]  # views, no copy
-        return self.k[r, :kv_len], self.v[r, :kv_len]
+            return self.k[first : first + n, kv_start:kv_len], self.v[first : first + n, kv_start:kv_len]  # views
+        return self.k[r, kv_start:kv_len], self.v[r, kv_start:kv_len]
 
 
 class Attention(nn.Module):
@@ -205,11 +210,11 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
         return q, k, v
 
-    def forward(self, x, cache, rows, pos, cos, sin, mask, kv_len, prefix=None):
+    def forward(self, x, cache, rows, pos, cos, sin, mask, kv_len, prefix=None, kv_start=0):
         a = self.args
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        keys, values = cache.update(rows, pos, k, v, kv_len, prefix)
+        keys, values = cache.update(rows, pos, k, v, kv_len, prefix, kv_start)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, n_kv, L, D]
         y = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=a.query_scale, enable_gqa=a.n_heads != a.n_kv_heads
@@ -264,15 +269,20 @@ class Block(nn.Module):
             self.post_attn_norm = RMSNorm(args.dim, args.norm_eps)
             self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cache, rows, pos, rope, masks, kv_len, prefix=None):
+    def forward(self, x, cache, rows, pos, rope, masks, kv_len, prefix=None, window_start=0):
+        """window_start: the first cache slot a sliding-window layer's queries can reach (its mask,
+        masks[True], already starts there); a full-attention layer reads from slot 0."""
         cos, sin = rope[self.sliding]
-        h = self.attn(self.attn_norm(x), cache, rows, pos, cos, sin, masks[self.sliding], kv_len, prefix)
+        h = self.attn(self.attn_norm(x), cache, rows, pos, cos, sin, masks[self.sliding], kv_len, prefix,
+                      window_start if self.sliding else 0)
         x = x + (self.post_attn_norm(h) if self.sandwich else h)
         h = self.ffn(self.ffn_norm(x))
         return x + (self.post_ffn_norm(h) if self.sandwich else h)
 
 
 class Transformer(nn.Module):
+    prefill_chunk_tokens = PREFILL_CHUNK_TOKENS  # engine.prefill's piece for long prompts
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -484,10 +494,17 @@ class Transformer(nn.Module):
         a = self.args
         x = self.embed_tokens(tokens)
         rope, masks = self._rope_and_masks(pos, kv_len, x.dtype)
+        # A sliding-window layer reads only the slots its queries can reach: at long context that is
+        # the last window of the cache, not all of it (Gemma 3: 5 layers in 6, a 512-slot window).
+        # A slot outside every query's window has mask False and weight exactly 0, so the result is
+        # the same. (The compiled step reads every slot: its shapes do not depend on the values.)
+        start = max(0, int(pos.min()) - a.sliding_window + 1) if a.sliding_window else 0
+        if start:
+            masks = {**masks, True: masks[True][..., start:]}
         taps = {}
         for i in range(a.n_layers) if layers is None else layers:
             taps[i] = x
-            x = self.layers[i](x, self.caches[i], rows2, pos, rope, masks, kv_len)
+            x = self.layers[i](x, self.caches[i], rows2, pos, rope, masks, kv_len, window_start=start)
         hidden = taps[a.n_layers] = x
         x = self.norm(x)
         if capture:
