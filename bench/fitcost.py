@@ -95,12 +95,22 @@ def _lstsq(X: np.ndarray, y: np.ndarray):
     return coef, rel_rms, r2
 
 
+def fit_target(kv_tokens, batched_tokens, seconds) -> tuple[dict, dict]:
+    """The target forward's model by least squares, t ~ c_kv * kv_tokens + c_compute *
+    batched_tokens + c_fixed (c_kv: the context term, KV read per token attended to), from any
+    timed forwards: a sweep's cycles, or forwards timed at chosen context lengths. Returns the
+    coefficients and the fit (relative RMS error, R^2, points)."""
+    X = np.column_stack([kv_tokens, batched_tokens, np.ones(len(seconds))]).astype(float)
+    (c_kv, c_compute, c_fixed), err, r2 = _lstsq(X, np.asarray(seconds, float))
+    return ({"c_kv": float(c_kv), "c_compute": float(c_compute), "c_fixed": float(c_fixed)},
+            {"relative_rms_error": err, "r2": r2, "points": len(seconds)})
+
+
 def fit(cycles: pd.DataFrame, name: str = "fitted") -> dict:
-    X = np.column_stack([cycles.kv_tokens, cycles.batched_tokens, np.ones(len(cycles))]).astype(float)
-    (c_kv, c_compute, c_fixed), err, r2 = _lstsq(X, cycles.t_verify.to_numpy(float))
-    model = {"name": name, "target": {"c_kv": float(c_kv), "c_compute": float(c_compute), "c_fixed": float(c_fixed)},
+    target, err = fit_target(cycles.kv_tokens, cycles.batched_tokens, cycles.t_verify)
+    model = {"name": name, "target": target,
              "overhead_per_step": float(cycles.t_other.median()), "switching_cost": 0.0, "drafters": {},
-             "fit": {"target": {"cycles": len(cycles), "relative_rms_error": err, "r2": r2}}}
+             "fit": {"target": {"cycles": len(cycles), "relative_rms_error": err["relative_rms_error"], "r2": err["r2"]}}}
     mixed = cycles.mixed_drafters if "mixed_drafters" in cycles else False
     drafts = (cycles.drafter if "drafter" in cycles else cycles.method.map(drafter_kind)) != "none"  # not a plain step
     for m, g in cycles[drafts & (cycles.kmax > 0) & ~mixed].groupby("method"):

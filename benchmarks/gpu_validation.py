@@ -15,9 +15,10 @@ fail on a typo:
 
   python benchmarks/gpu_validation.py --dry-run --out /tmp/gpu-dry
 
-Stages (each one a record in OUT/summary.json: status ok / failed / skipped, seconds, results; a
-failed stage is recorded with its traceback and the others still run; --budget-s skips what
-would start after the budget):
+Stages, in this order (each one a record in OUT/summary.json: status ok / failed / skipped,
+seconds, results; a failed stage is recorded with its traceback and the others still run;
+--budget-s (default 420: one device call of at most 8 minutes) skips what would start after the
+budget, and the synthetic sweep stops where the budget says, keeping the jobs it finished):
 
   env        torch, the device, its memory; whether vLLM / SGLang are importable (the image
              has neither: then the native engine is the GPU engine, said so)
@@ -26,19 +27,23 @@ would start after the budget):
   parity     the native engine against transformers (this machine's copy) on the 1B shape, fp32:
              greedy tokens and the logits' largest difference; a divergence counts only at a
              near-tie (top-2 margin below --margin-tol), as the harness's lossless check does
-  roofline   the 8B shape in bf16, batch 1: decode ms (eager) against weight bytes / the device's
-             read bandwidth (bench.environment.read_bandwidth_gbs)
-  verify     r(n) = t(forward of n tokens a row) / t(1 token), n = 1..16, at batch 1, 8, 32
   lossless   a specsweep sweep on the 1B shape (bf16): ngram and draft_model at batch 1 and 4,
-             the harness's own lossless check, into OUT/sweeps/lossless
-  synthetic  a specsweep sweep on the 8B shape: method=synthetic (acceptance forced per position)
-             at batch 1, 4, 16, 64, into OUT/sweeps/synthetic; specsweep-fit-cost on it -> OUT/cost_8b.yaml,
+             the harness's own lossless check, each divergence weighed by the engine's own
+             shapes (bench/lossless.py) and recorded, into OUT/sweeps/lossless
+  synthetic  the compiled synthetic sweep on the 8B shape: method=synthetic (acceptance forced per
+             position) at batch 1..64 x k 1..8, compiled once (one process, shapes symbolic), into
+             OUT/sweeps/synthetic; specsweep-fit-cost on it -> OUT/cost_8b.yaml, with its fit error,
              set beside the published Llama-3.1-8B/H100 constants (bench/costmodel.py)
+  compiled   (--compile, the default on CUDA) the engine's compiled step (reduce-overhead: torch.compile
+             with CUDA graphs, as gpt-fast does) at batch 1: decode against the read-bandwidth
+             roofline, r(n), and t(n) at 1k, 8k and 32k tokens of context: the cost model's context
+             term fitted over them (bench.fitcost.fit_target) with its error
+  roofline   the 8B shape in bf16, eager: decode ms against weight bytes / the device's read
+             bandwidth, and r(n) = t(forward of n tokens a row) / t(1 token), n = 1..9, at batch 1, 8, 32
   engines    vLLM's and SGLang's real tests, only if this image has them
-  compiled   (--compile, the default on CUDA) the roofline's decode through the engine's compiled
-             step (backend.compile=reduce-overhead: torch.compile with CUDA graphs, as gpt-fast
-             does), with r(n) at batch 1; last, since how long it compiles an 8B model is not known
-             before it runs
+
+Afterwards, on any machine: benchmarks/gpu_oracle.py replays acceptance traces under the published
+and the fitted cost model side by side.
 """
 from __future__ import annotations
 
@@ -296,21 +301,25 @@ def stage_roofline_and_verify(model_dir: str, dev: str, dtype: str, batches, ns,
     return out  # the roofline goal (60%) is judged in stage compiled, over both steps
 
 
-def stage_compiled(model_dir: str, dev: str, dtype: str, ns, kv: int, reps: int):
-    """The engine's own compiled step (backend.compile=reduce-overhead: torch.compile with CUDA
-    graphs, as gpt-fast does) at batch 1: decode against the roofline and r(n). A stage of its
-    own, last, since its compile time on a large model is not known before it runs: the other
-    stages' figures are recorded whatever it takes."""
+def stage_compiled(model_dir: str, dev: str, dtype: str, ns, kv: int, reps: int, contexts, compile_mode: str):
+    """The engine's own compiled step (backend.compile; on CUDA "reduce-overhead": torch.compile
+    with CUDA graphs, as gpt-fast does) at batch 1: decode against the roofline and r(n); then
+    t(n) at each context length in `contexts`, the points of the cost model's context term:
+    t ~ c_kv * kv + c_compute * n + c_fixed fitted over them (bench.fitcost.fit_target), its
+    error beside it, and c_kv beside the published constant."""
     import torch
 
-    model, out = _roofline_model(model_dir, dev, dtype, 1, kv + max(ns) + 2)
+    from bench.costmodel import LLAMA31_8B_H100
+    from bench.fitcost import fit_target
+
+    model, out = _roofline_model(model_dir, dev, dtype, 1, max(kv, *contexts) + max(ns) + 2)
     timed = _timer(dev)
-    out.update(kv_len=kv, reps=reps)
+    out.update(kv_len=kv, reps=reps, compile=compile_mode)
     with torch.inference_mode():
         eager = timed(_forward(model, 1, 1, kv, dev), reps)  # the same process's eager step, for the ratio
         out["decode_ms_eager"], out["roofline_share_eager"] = eager, out["roofline_step_ms"] / eager
         t = time.perf_counter()
-        model.compile_steps("reduce-overhead")
+        model.compile_steps(compile_mode)
         try:
             for n in (1, 2):  # compile the decode and the verify graph, record their CUDA graphs
                 for _ in range(3):
@@ -319,8 +328,18 @@ def stage_compiled(model_dir: str, dev: str, dtype: str, ns, kv: int, reps: int)
             ms = timed(_forward(model, 1, 1, kv, dev), reps)
             out["decode_ms_compiled"], out["roofline_share_compiled"] = ms, out["roofline_step_ms"] / ms
             out["verify_cost_ratio_compiled_b1"] = {str(n): timed(_forward(model, 1, n, kv, dev), reps) / ms for n in ns}
+            points = [(c, n, timed(_forward(model, 1, n, c, dev), reps)) for c in contexts for n in ns]
         finally:
             model.compile_steps(None)
+    by_context: dict[int, dict[int, float]] = {}
+    for c, n, ms in points:
+        by_context.setdefault(c, {})[n] = ms
+    out["context"] = {str(c): {"t1_ms": t[1], "r": {str(n): ms / t[1] for n, ms in t.items()}}
+                      for c, t in by_context.items()}  # ns starts at 1
+    target, fit = fit_target([c for c, _, _ in points], [n for _, n, _ in points], [ms / 1e3 for _, _, ms in points])
+    out["context_fit"] = {"target": target, "fit": fit, "model": "t = c_kv * kv + c_compute * n + c_fixed (s), batch 1",
+                          "published": {"c_kv": LLAMA31_8B_H100.c_kv, "c_compute": LLAMA31_8B_H100.c_compute,
+                                        "c_fixed": LLAMA31_8B_H100.c_fixed}}
     best = max(out["roofline_share_compiled"], out["roofline_share_eager"])
     out["goal_roofline_share"], out["goal_met"] = 0.6, best >= 0.6
     return out
@@ -342,6 +361,9 @@ def _rows(sweep: Path, keys) -> list[dict]:
 
 
 def stage_lossless(out: Path, model_dir: str, dev: str, dtype: str, dry: bool, timeout: float) -> dict:
+    """The harness's own lossless check in bf16: a divergence from the baseline passes only where
+    the engine weighs it as its own numerics (a near-tie at the decode step, or a margin its own
+    verify shapes move across zero: bench/lossless.py), each recorded with its margins."""
     sweeps = out / "sweeps"
     sweeps.mkdir(parents=True, exist_ok=True)
     # sized from the first H200 run (2026-12-04): 8 prompts x 64 tokens took 183 s of eager steps
@@ -352,34 +374,58 @@ def stage_lossless(out: Path, model_dir: str, dev: str, dtype: str, dry: bool, t
                 f"num_prompts={n}", f"max_new_tokens={new}", "repeats=1", "num_speculative_tokens=4", "report=false"],
                out / "lossless.log", timeout)
     rows = _rows(sweeps / "lossless", ("method", "batch_size", "status", "error", "lossless", "lossless_divergences",
-                                       "lossless_near_ties", "speedup", "acceptance_rate"))
+                                       "lossless_near_ties", "lossless_shape_ties", "lossless_detail", "speedup",
+                                       "acceptance_rate"))
+    for r in rows:  # each divergence: where, the decode step's margin, the margins across the verify's shapes
+        r["weighed"] = [{k: d.get(k) for k in ("request_id", "position", "decode_margin", "near_tie", "shape_tie",
+                                               "margins_across_shapes", "probe")} for d in r.pop("lossless_detail") or []]
     bad = [r for r in rows if r["status"] != "ok" or r["lossless"] == "false"]
     if len(rows) != 4 or bad:
-        raise AssertionError(f"lossless sweep: {len(rows)} rows, not lossless or failed: {bad}")
-    return {"rows": rows}
+        raise AssertionError(f"lossless sweep: {len(rows)} rows; failed, or a divergence the engine's numerics do not "
+                             f"explain: {bad}")
+    return {"rows": rows, "divergences": sum(len(r["weighed"]) for r in rows),
+            "every_divergence_weighed": all(d["near_tie"] or d["shape_tie"] for r in rows for d in r["weighed"])}
 
 
-def stage_synthetic(out: Path, model_dir: str, dev: str, dtype: str, dry: bool, timeout: float) -> dict:
+# The compiled synthetic sweep's grid: draft lengths first (Hydra runs the last key fastest), in
+# an order that spans 1..8 early, so a sweep cut short by the budget still has every batch size
+# at several k; the batch sizes at which the field reports GPU curves.
+SYNTH_K, SYNTH_BATCHES = "4,1,8,2,6,3,5,7", "1,2,4,8,16,32,64"
+DRY_SYNTH_K, DRY_SYNTH_BATCHES = "2,1", "1,2"
+
+
+def stage_synthetic(out: Path, model_dir: str, dev: str, dtype: str, dry: bool, timeout: float, compile_mode) -> dict:
+    """method=synthetic (acceptance forced per position: r, r^2, ... with r = 0.8) over batch x k
+    on the 8B shape, the decode and verify steps compiled (backend.compile; one process, one
+    model: every job reuses the graphs the first compiled, shapes symbolic), each batch of
+    num_prompts = batch_size prompts, the baseline shared per batch size. specsweep-fit-cost on
+    it gives the GPU's target cost model, set beside the published constants."""
     from omegaconf import OmegaConf
 
     from bench.costmodel import LLAMA31_8B_H100
 
     sweeps = out / "sweeps"
     sweeps.mkdir(parents=True, exist_ok=True)
-    # the first H200 run's eager 8B steps (28-40 ms, host-bound there) measured batches 1 and 2 in
-    # about 3 minutes: four batch sizes, a factor of 4 apart, span 1..64 in about as long
-    batches, n, new = ("1,2", 2, 12) if dry else ("1,4,16,64", 64, 32)
-    _specsweep([f"results_dir={sweeps}", "sweep_name=synthetic", "backend=native", f"backend.device={dev}",
-                f"backend.dtype={dtype}", "model=local", f"model.path={model_dir}", "method=synthetic",
-                "method.acceptance_rate=0.8", "workload=chat", f"batch_size={batches}", f"num_prompts={n}",
-                f"max_new_tokens={new}", "repeats=1", "num_speculative_tokens=4", "report=false"],
-               out / "synthetic.log", timeout)
-    rows = _rows(sweeps / "synthetic", ("batch_size", "status", "error", "speedup", "speedup_ci_low", "speedup_ci_high",
-                                        "per_position_acceptance", "verify_cost_ratio", "baseline_step_ms",
-                                        "baseline_roofline_share", "acceptance_forced"))
+    ks, batches, new = (DRY_SYNTH_K, DRY_SYNTH_BATCHES, 12) if dry else (SYNTH_K, SYNTH_BATCHES, 32)
+    args = [f"results_dir={sweeps}", "sweep_name=synthetic", "backend=native", f"backend.device={dev}",
+            f"backend.dtype={dtype}", "model=local", f"model.path={model_dir}", "method=synthetic",
+            "method.acceptance_rate=0.8", "workload=chat", f"num_speculative_tokens={ks}", f"batch_size={batches}",
+            "num_prompts=${batch_size}", f"max_new_tokens={new}", "repeats=2", "baseline=shared", "report=false"]
+    if compile_mode:
+        args.append(f"backend.compile={compile_mode}")
+    t = time.perf_counter()
+    try:
+        _specsweep(args, out / "synthetic.log", timeout)
+        cut = None
+    except subprocess.TimeoutExpired:  # the jobs it finished are written: fitted on those, said so
+        cut = f"the sweep reached its {timeout:.0f} s limit; fitted on the jobs it finished"
+    keys = ("batch_size", "num_speculative_tokens", "status", "error", "speedup", "speedup_ci_low", "speedup_ci_high",
+            "per_position_acceptance", "verify_cost_ratio", "baseline_step_ms", "baseline_roofline_share",
+            "acceptance_forced")
+    rows = sorted(_rows(sweeps / "synthetic", keys), key=lambda x: (x["batch_size"], x["num_speculative_tokens"]))
     failed = [r for r in rows if r["status"] != "ok"]
     if not rows or failed:
-        raise AssertionError(f"synthetic sweep: {len(rows)} rows, failed: {failed}")
+        raise AssertionError(f"synthetic sweep: {len(rows)} rows, failed: {failed}" + (f"; {cut}" if cut else ""))
     cost = out / "cost_8b.yaml"
     r = subprocess.run([sys.executable, "-m", "bench.fitcost", str(sweeps / "synthetic"), "--out", str(cost)],
                        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
@@ -387,11 +433,15 @@ def stage_synthetic(out: Path, model_dir: str, dev: str, dtype: str, dry: bool, 
         raise RuntimeError(f"specsweep-fit-cost failed: {r.stderr[-2000:]}")
     fitted = OmegaConf.to_container(OmegaConf.load(cost))
     p = LLAMA31_8B_H100
-    return {"rows": sorted(rows, key=lambda x: x["batch_size"]), "fitted_target": fitted["target"],
-            "fit": fitted["fit"]["target"], "fitted_overhead_per_step": fitted["overhead_per_step"],
-            "published_target": {"c_kv": p.c_kv, "c_compute": p.c_compute, "c_fixed": p.c_fixed,
-                                 "overhead_per_step": p.overhead_per_step, "source": p.source},
-            "requested_rates": [0.8 ** j for j in range(1, 5)]}
+    published = {"c_kv": p.c_kv, "c_compute": p.c_compute, "c_fixed": p.c_fixed, "overhead_per_step": p.overhead_per_step}
+    mine = {**fitted["target"], "overhead_per_step": fitted["overhead_per_step"]}
+    return {"rows": rows, "jobs": len(rows), "cut_short": cut, "seconds_in_sweep": round(time.perf_counter() - t, 1),
+            "compile": compile_mode or "eager", "fitted_target": fitted["target"], "fit": fitted["fit"]["target"],
+            "fit_goal_r2": 0.9, "fit_goal_met": fitted["fit"]["target"]["r2"] >= 0.9,
+            "fitted_overhead_per_step": fitted["overhead_per_step"],
+            "published_target": {**published, "source": p.source},
+            "fitted_over_published": {k: mine[k] / v for k, v in published.items() if v},
+            "requested_rates": [0.8 ** j for j in range(1, 9)]}
 
 
 def stage_engines(dry: bool) -> dict:
@@ -407,22 +457,100 @@ def stage_engines(dry: bool) -> dict:
     return {"ran": ran}
 
 
+def _num(v, fmt=".3g") -> str:
+    return "-" if v is None or v != v else format(v, fmt)
+
+
+def render(folder: Path) -> Path:
+    """FOLDER/index.md from FOLDER/summary.json: a run's page, generated from its data (every
+    figure on it is read from the file; nothing typed by hand)."""
+    s = json.loads((folder / "summary.json").read_text())
+    st = s["stages"]
+    res = lambda name: st.get(name, {}).get("results") or {}  # noqa: E731
+    env = res("env")
+    lines = [f"# GPU validation run, {s.get('started', '?')[:10]}", "",
+             f"Device: {env.get('gpu') or env.get('cpu') or env.get('device', '?')}"
+             + (f" ({env['memory_gib']} GiB)" if env.get("memory_gib") else "")
+             + f"; torch {env.get('torch', '?')}, CUDA {env.get('cuda', '-')}, Python {env.get('python', '?')}; "
+               f"{s.get('weights', '')}{'; DRY RUN (CPU, tiny shapes)' if s.get('dry_run') else ''}.", "",
+             "Command: `" + " ".join(map(str, s.get("command", []))) + "`", "",
+             "| stage | status | seconds | note |", "|---|---|---|---|"]
+    for name, r in st.items():
+        lines.append(f"| {name} | {r['status']} | {_num(r.get('seconds'), '.1f')} | "
+                     f"{(r.get('error') or r.get('why') or '').splitlines()[0][:160] if r.get('error') or r.get('why') else ''} |")
+    syn = res("synthetic")
+    if syn:
+        pub, fit = syn.get("published_target", {}), syn.get("fitted_target", {})
+        lines += ["", f"## Cost model fitted on the synthetic sweep ({syn.get('jobs')} jobs, {syn.get('compile')})", "",
+                  f"Fit over {syn['fit'].get('cycles')} cycles: relative RMS error {_num(syn['fit'].get('relative_rms_error'))}, "
+                  f"R^2 {_num(syn['fit'].get('r2'))} (goal {syn.get('fit_goal_r2')}). "
+                  + (f"Cut short: {syn['cut_short']}." if syn.get("cut_short") else ""), "",
+                  "| constant | fitted here | published | fitted / published |", "|---|---|---|---|"]
+        mine = {**fit, "overhead_per_step": syn.get("fitted_overhead_per_step")}
+        for k in ("c_kv", "c_compute", "c_fixed", "overhead_per_step"):
+            lines.append(f"| {k} | {_num(mine.get(k))} | {_num(pub.get(k))} | {_num(syn.get('fitted_over_published', {}).get(k), '.2f')} |")
+        lines += ["", f"Published: {pub.get('source', '')}.", "",
+                  "| batch | k | speedup [95%] | acceptance per position | verify cost ratio | baseline step ms |",
+                  "|---|---|---|---|---|---|"]
+        for r in syn.get("rows", []):
+            acc = " / ".join(f"{x:.2f}" for x in (r.get("per_position_acceptance") or []))
+            lines.append(f"| {r['batch_size']} | {r.get('num_speculative_tokens', '-')} | {_num(r.get('speedup'), '.2f')} "
+                         f"[{_num(r.get('speedup_ci_low'), '.2f')}, {_num(r.get('speedup_ci_high'), '.2f')}] | {acc} | "
+                         f"{_num(r.get('verify_cost_ratio'), '.2f')} | {_num(r.get('baseline_step_ms'), '.2f')} |")
+    comp = res("compiled")
+    if comp:
+        lines += ["", "## Compiled step at batch 1", "",
+                  f"Decode {_num(comp.get('decode_ms_compiled'), '.2f')} ms compiled against {_num(comp.get('decode_ms_eager'), '.2f')} "
+                  f"ms eager; the read-bandwidth roofline {_num(comp.get('roofline_step_ms'), '.2f')} ms "
+                  f"({_num(comp.get('read_bandwidth_gbs'), '.0f')} GB/s): {_num(100 * comp.get('roofline_share_compiled', float('nan')), '.0f')}% "
+                  f"of it compiled. Compiling took {_num(comp.get('compile_s'), '.0f')} s."]
+        ctx = comp.get("context") or {}
+        if ctx:
+            ns = sorted({int(n) for c in ctx.values() for n in c["r"]})
+            lines += ["", "| context | t(1) ms | " + " | ".join(f"r({n})" for n in ns) + " |", "|---|---|" + "---|" * len(ns)]
+            for c, v in ctx.items():
+                lines.append(f"| {c} | {_num(v['t1_ms'], '.2f')} | " + " | ".join(_num(v["r"].get(str(n)), ".2f") for n in ns) + " |")
+            cf = comp.get("context_fit", {})
+            t, f, p = cf.get("target", {}), cf.get("fit", {}), cf.get("published", {})
+            lines += ["", f"Context term ({cf.get('model', '')}): c_kv {_num(t.get('c_kv'))} (published {_num(p.get('c_kv'))}), "
+                          f"c_compute {_num(t.get('c_compute'))}, c_fixed {_num(t.get('c_fixed'))}; relative RMS error "
+                          f"{_num(f.get('relative_rms_error'))}, R^2 {_num(f.get('r2'))} over {f.get('points')} points."]
+    loss = res("lossless")
+    if loss:
+        lines += ["", f"## Lossless (bf16): {loss.get('divergences', 0)} divergence(s), every one weighed as the engine's own "
+                      f"numerics: {loss.get('every_divergence_weighed')}", "",
+                  "| method | batch | lossless | divergences | near-ties | shape ties |", "|---|---|---|---|---|---|"]
+        for r in loss.get("rows", []):
+            lines.append(f"| {r['method']} | {r['batch_size']} | {r['lossless']} | {r.get('lossless_divergences')} | "
+                         f"{r.get('lossless_near_ties')} | {r.get('lossless_shape_ties')} |")
+    lines += ["", "Data: [summary.json](summary.json) (every stage's full record).", ""]
+    (folder / "index.md").write_text("\n".join(lines))
+    return folder / "index.md"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="where everything is written (results folders specsweep reads)")
     ap.add_argument("--dry-run", action="store_true", help="every stage on the CPU at tiny sizes (the tests run this)")
     ap.add_argument("--wheels", type=Path, help="wheels made by --fetch-wheels, for modules this interpreter lacks")
     ap.add_argument("--fetch-wheels", type=Path, metavar="DIR", help="download those wheels here, then exit")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="no stage starts after this many seconds (default 450)")
+    ap.add_argument("--render", type=Path, metavar="DIR", help="only write DIR/index.md from a run's DIR/summary.json")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="no stage starts after this many seconds, and the "
+                    "synthetic sweep stops in time for the stages after it (default 420)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="stage compiled: the engine's compiled step (backend.compile=reduce-overhead) at batch 1, "
-                         "last (default: on CUDA only)")
+                    help="the synthetic sweep and stage compiled through the engine's compiled step "
+                         "(backend.compile: reduce-overhead on CUDA, default on CPU; default: on CUDA only)")
     ap.add_argument("--margin-tol", type=float, default=1e-3, help="parity: a divergence at a smaller top-2 margin is a tie")
     ap.add_argument("--only", nargs="+", choices=["parity", "roofline", "lossless", "synthetic", "engines", "compiled"],
                     help="run only these stages (env, deps and models always run; they are what the others need)")
     a = ap.parse_args(argv)
     if a.fetch_wheels:
         return fetch_wheels(a.fetch_wheels)
+    if a.render:
+        if not (a.render / "summary.json").is_file():
+            ap.error(f"--render {a.render}: no summary.json there (a run's --out folder)")
+        print(render(a.render))
+        return 0
     if a.out is None:
         ap.error("--out DIR is required (or --fetch-wheels DIR)")
     if a.wheels is not None and not a.wheels.is_dir():
@@ -442,21 +570,24 @@ def main(argv=None) -> int:
     st.run("deps", stage_deps, a.wheels, a.out / "_deps")
     models = st.run("models", stage_models, a.out, DRY_SHAPES if a.dry_run else SHAPES, dev, a.dry_run) or {}
     small, big = models.get("llama32_1b", {}).get("path"), models.get("llama31_8b", {}).get("path")
-    sweep_timeout = 120 if a.dry_run else 300
+    compile_mode = ("default" if a.dry_run else "reduce-overhead") if compile_ else None
+    left = lambda reserve: max(30.0, a.budget_s - (time.perf_counter() - st.t0) - reserve)  # noqa: E731
     if want("parity"):
         st.run("parity", stage_parity, small, dev, a.margin_tol, 16 if a.dry_run else 32, need=("models",))
-    batches, ns = ((1, 2), range(1, 5)) if a.dry_run else ((1, 8, 32), range(1, 17))
+    # r(n) for n = 1..9: a verify of k = 1..8 drafts; the context term's points at 1k, 8k, 32k
+    batches, ns, contexts = ((1, 2), range(1, 5), (64, 256)) if a.dry_run else ((1, 8, 32), range(1, 10), (1024, 8192, 32768))
     kv, reps = (64, 3) if a.dry_run else (512, 10)
+    if want("lossless"):
+        st.run("lossless", stage_lossless, a.out, small, dev, dtype, a.dry_run, min(240.0, left(0)), need=("deps", "models"))
+    if want("synthetic"):  # the longest: what is left but what the later stages need (about 90 s)
+        st.run("synthetic", stage_synthetic, a.out, big, dev, dtype, a.dry_run, min(600.0, left(90)), compile_mode,
+               need=("deps", "models"))
+    if want("compiled") and compile_mode:
+        st.run("compiled", stage_compiled, big, dev, dtype, list(ns), kv, reps, contexts, compile_mode, need=("models",))
     if want("roofline"):
         st.run("roofline", stage_roofline_and_verify, big, dev, dtype, batches, list(ns), kv, reps, need=("models",))
-    if want("lossless"):
-        st.run("lossless", stage_lossless, a.out, small, dev, dtype, a.dry_run, sweep_timeout, need=("deps", "models"))
-    if want("synthetic"):
-        st.run("synthetic", stage_synthetic, a.out, big, dev, dtype, a.dry_run, sweep_timeout, need=("deps", "models"))
     if want("engines"):
         st.run("engines", stage_engines, a.dry_run)
-    if want("compiled") and compile_:
-        st.run("compiled", stage_compiled, big, dev, dtype, list(ns), kv, reps, need=("models",))
     failed = [n for n, r in st.summary["stages"].items() if r["status"] == "failed"]
     print(f"[gpu_validation] done in {st.summary['elapsed_s']} s; failed: {', '.join(failed) or 'none'}; "
           f"summary: {a.out / 'summary.json'}")
