@@ -202,18 +202,23 @@ def main():
         lcpp.close()
     res["goals"] = {"roofline_share >= 0.7": res["roofline_share"] >= 0.7, "r(5) <= 1.5": res["verify_cost_ratio"][5] <= 1.5}
     res["loadavg_end"] = load_average()
-    res["settings"] = vars(a)
+    save(res, a, " ".join(["python", "benchmarks/native_speed.py", *sys.argv[1:]]))
+
+
+def save(res: dict, a, command: str) -> None:
+    """The run's figures to --out (JSON) and, with --record, a measurement folder."""
+    res["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "verify_cost_ratio"}, indent=1))
+    Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+    print(json.dumps({k: v for k, v in res.items() if k != "verify_cost_ratio"}, indent=1, default=str))
     if a.record:
-        record(res, a.record, " ".join(["python", "benchmarks/native_speed.py", *sys.argv[1:]]))
+        record(res, a.record, command)
 
 
 def record(res: dict, out: Path, command: str) -> None:
     """The run as a measurement folder (bench/published.py): index.csv, one row of its scalar
-    figures (r1..r9: the verify cost ratio at n tokens; tokens_per_s_<config>), environment.json
-    and a generated index.md."""
+    figures (r1..r9: the verify cost ratio at n tokens; tokens_per_s_<config>; with --compile,
+    compiled_<figure> and compiled_r1..r9), environment.json and a generated index.md."""
     import pandas as pd
 
     from bench.published import render, write_folder
@@ -222,6 +227,9 @@ def record(res: dict, out: Path, command: str) -> None:
     row.update({f"r{n}": v for n, v in res["verify_cost_ratio"].items()})
     row.update({f"tokens_per_s_{k}": v for k, v in res["tokens_per_s"].items()})
     row.update({f"goal_{'roofline' if 'roofline' in g else 'r5'}": ok for g, ok in res["goals"].items()})
+    compiled = res.get("compiled") or {}  # with --compile: the same figures through the compiled steps
+    row.update({f"compiled_{k}": v for k, v in compiled.items() if isinstance(v, (int, float, str))})
+    row.update({f"compiled_r{n}": v for n, v in (compiled.get("verify_cost_ratio") or {}).items()})
     write_folder(out, pd.DataFrame([row]), "Native engine speed on the default model", [command],
                  f"Kernel plan chosen at run time: {res['kernels']}", threads=[res["threads"]],
                  loadavg_range=[res["loadavg_start"][0], res["loadavg_end"][0]])
