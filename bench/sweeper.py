@@ -23,14 +23,15 @@ def sweep_jobs(config) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    loader = GlobalHydra.instance().config_loader()
     from omegaconf import OmegaConf
 
+    loader = GlobalHydra.instance().config_loader()
     # unresolved: an override such as num_prompts=${batch_size} is an interpolation each job
     # resolves in its own config, as the sweeper hands it on (reading it here would resolve it
     # against the multirun's config, its defaults)
-    raw = lambda node: OmegaConf.to_container(node, resolve=False) if node is not None else None  # noqa: E731
+    def raw(node):
+        return OmegaConf.to_container(node, resolve=False) if node is not None else None
+
     params = [f"{k}={v}" for k, v in (raw(config.hydra.sweeper.get("params")) or {}).items()]
     params += raw(config.hydra.overrides.task)
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(params)

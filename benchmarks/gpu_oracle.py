@@ -51,29 +51,38 @@ def fitted_with_published_drafters(fitted: Path, traces: list[str], out: Path) -
     return path
 
 
+def group_keys(df: pd.DataFrame) -> list[str]:
+    """The oracle's own groups (as gap_closed is computed): with --neural-draft-charge both, each
+    charge is a group of its own."""
+    return KEYS + (["neural_draft_charge"] if "neural_draft_charge" in df and df.neural_draft_charge.nunique() > 1 else [])
+
+
 def best_per_group(df: pd.DataFrame) -> pd.DataFrame:
-    """Per dataset, batch and accounting: the best fixed policy, the dp bound and the best
-    realizable adaptive policy (every request scored: half all or both)."""
+    """Per group: the best fixed policy, the dp bound and the best realizable adaptive policy
+    (every request scored: half all or both), with that policy's gap_closed."""
     if "half" in df:
         df = df[df.half.isin(["all", "both"])]
-    rows = []
-    for key, g in df.groupby(KEYS):
+    df = df.dropna(subset=["speedup"])
+    keys, rows = group_keys(df), []
+    for key, g in df.groupby(keys):
         fixed, dp = g[g.kind == "fixed"], g[g.kind == "dp"]
         adaptive = g[g.realizable.astype(bool) & ~g.kind.isin(["fixed", "dp"])]
-        r = dict(zip(KEYS, key))
+        r = dict(zip(keys, key))
         for name, part in (("best_fixed", fixed), ("best_realizable", adaptive)):
             top = part.loc[part.speedup.idxmax()] if len(part) else None
             r[name] = None if top is None else top.policy
             r[f"{name}_speedup"] = float("nan") if top is None else float(top.speedup)
+            if name == "best_realizable":
+                r["best_realizable_gap_closed"] = float("nan") if top is None else float(top.gap_closed)
         r["dp_speedup"] = float(dp.speedup.max()) if len(dp) else float("nan")
-        top = adaptive.loc[adaptive.speedup.idxmax()] if len(adaptive) else None
-        r["best_realizable_gap_closed"] = float("nan") if top is None else float(top.gap_closed)
         rows.append(r)
     return pd.DataFrame(rows)
 
 
 def compare(published: pd.DataFrame, fitted: pd.DataFrame) -> pd.DataFrame:
-    both = best_per_group(published).merge(best_per_group(fitted), on=KEYS, suffixes=("_published", "_fitted"))
+    mine, theirs = best_per_group(published), best_per_group(fitted)
+    keys = [k for k in mine.columns if k in KEYS or k == "neural_draft_charge"]
+    both = mine.merge(theirs, on=keys, suffixes=("_published", "_fitted"))
     for col in ("best_fixed_speedup", "dp_speedup", "best_realizable_speedup"):
         both[f"{col}_ratio"] = both[f"{col}_fitted"] / both[f"{col}_published"]
     return both
@@ -91,7 +100,8 @@ def markdown(gap: pd.DataFrame, fitted_yaml: Path) -> str:
              "fitted: best fixed | dp | best realizable | dp fitted / published |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in gap.iterrows():
-        lines.append(f"| {r.dataset} | {r.batch_size} | {r.accounting} | {cells(r, 'published')} | {cells(r, 'fitted')} "
+        charge = f", draft charged per {r.neural_draft_charge}" if "neural_draft_charge" in gap else ""
+        lines.append(f"| {r.dataset} | {r.batch_size} | {r.accounting}{charge} | {cells(r, 'published')} | {cells(r, 'fitted')} "
                      f"| {r.dp_speedup_ratio:.2f} |")
     return "\n".join(lines) + "\n"
 

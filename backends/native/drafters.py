@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from bench.methods import knobs
 from bench.ngram import ngram_lookup
 
-from .model import Transformer
+from .model import Transformer, prefill_pieces
 from .sampling import SamplingParams, select
 
 
@@ -129,10 +129,9 @@ class ModelDrafter(Drafter):
         """Write the KV of tokens at positions start.. for one row (no logits), a long run in the
         draft's prefill pieces (engine.prefill's reason)."""
         dev = self.model.embed.weight.device
-        chunk = getattr(self.model, "prefill_chunk_tokens", None) or len(tokens)
-        for a in range(0, len(tokens), chunk):
-            toks = torch.tensor([tokens[a:a + chunk]], device=dev)
-            pos = torch.arange(start + a, start + a + toks.shape[1], device=dev)[None]
+        for a, b in prefill_pieces(len(tokens), getattr(self.model, "prefill_chunk_tokens", None)):
+            toks = torch.tensor([tokens[a:b]], device=dev)
+            pos = torch.arange(start + a, start + b, device=dev)[None]
             self.model(toks, pos, rows=torch.tensor([row], device=dev), logits_for=torch.zeros_like(toks, dtype=torch.bool))
 
     def prefill(self, row: int, prompt: list[int], features=None):

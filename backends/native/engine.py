@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .drafters import Drafter, NoDrafter
+from .model import prefill_pieces
 from .sampling import SamplingParams, accepted_prefix, select, verify
 
 
@@ -87,14 +88,12 @@ def prefill(model: Target, drafter: Drafter, row: Row, sp: SamplingParams, gen, 
     # to the cache the ones before it wrote: its attention then holds chunk x prompt scores at
     # most, not prompt x prompt (at 32k tokens, gigabytes a head). Only the last piece's last
     # position needs logits.
-    chunk = getattr(model, "prefill_chunk_tokens", None) or len(p)
     slot, parts = torch.tensor([row.slot], device=dev), []
-    for a in range(0, len(p), chunk):
-        toks = torch.tensor([p[a:a + chunk]], device=dev)
+    for a, b in prefill_pieces(len(p), getattr(model, "prefill_chunk_tokens", None)):
+        toks = torch.tensor([p[a:b]], device=dev)
         last = torch.zeros_like(toks, dtype=torch.bool)
-        last[0, -1] = a + chunk >= len(p)
-        out = model(toks, torch.arange(a, a + toks.shape[1], device=dev)[None], rows=slot, logits_for=last,
-                    capture=drafter.capture)
+        last[0, -1] = b == len(p)
+        out = model(toks, torch.arange(a, b, device=dev)[None], rows=slot, logits_for=last, capture=drafter.capture)
         logits, f = out if drafter.capture else (out, None)
         parts.append(f)
     feats = torch.cat(parts, dim=1) if drafter.capture else None

@@ -27,6 +27,15 @@ KV_BUCKET = 128  # a compiled step reads the cache in steps of this many positio
 PREFILL_CHUNK_TOKENS = 2048
 
 
+def prefill_pieces(n: int, chunk: int | None) -> list[tuple[int, int]]:
+    """(start, end) of the pieces n tokens are prefilled in: as few as at most `chunk` tokens each
+    allow (None: one), of even size, so no piece after the first is a handful of tokens, which
+    the target would take for a decode or verify step (a compiled one, where compiled)."""
+    pieces = -(-n // chunk) if chunk else 1
+    bounds = [n * i // pieces for i in range(pieces + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
 @dataclass
 class ModelArgs:
     arch: str
