@@ -32,10 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.costmodel import LLAMA31_8B_H100, load_cost_model  # noqa: E402
 from bench.methods import drafts_without_model  # noqa: E402
+from bench.oracle.simulate import GAP_KEYS  # noqa: E402
 from bench.oracle.tracefile import load_traces  # noqa: E402
-
-KEYS = ["dataset", "batch_size", "accounting"]
-
 
 def fitted_with_published_drafters(fitted: Path, traces: list[str], out: Path) -> Path:
     """The fitted target with the published drafting cost of every method the traces hold."""
@@ -52,9 +50,9 @@ def fitted_with_published_drafters(fitted: Path, traces: list[str], out: Path) -
 
 
 def group_keys(df: pd.DataFrame) -> list[str]:
-    """The oracle's own groups (as gap_closed is computed): with --neural-draft-charge both, each
-    charge is a group of its own."""
-    return KEYS + (["neural_draft_charge"] if "neural_draft_charge" in df and df.neural_draft_charge.nunique() > 1 else [])
+    """The oracle's own groups, those its gap_closed is computed over (GAP_KEYS), but the half:
+    every request is scored here."""
+    return [k for k in GAP_KEYS if k in df and k != "half"]
 
 
 def best_per_group(df: pd.DataFrame) -> pd.DataFrame:
@@ -81,8 +79,7 @@ def best_per_group(df: pd.DataFrame) -> pd.DataFrame:
 
 def compare(published: pd.DataFrame, fitted: pd.DataFrame) -> pd.DataFrame:
     mine, theirs = best_per_group(published), best_per_group(fitted)
-    keys = [k for k in mine.columns if k in KEYS or k == "neural_draft_charge"]
-    both = mine.merge(theirs, on=keys, suffixes=("_published", "_fitted"))
+    both = mine.merge(theirs, on=group_keys(mine), suffixes=("_published", "_fitted"))
     for col in ("best_fixed_speedup", "dp_speedup", "best_realizable_speedup"):
         both[f"{col}_ratio"] = both[f"{col}_fitted"] / both[f"{col}_published"]
     return both
@@ -100,7 +97,7 @@ def markdown(gap: pd.DataFrame, fitted_yaml: Path) -> str:
              "fitted: best fixed | dp | best realizable | dp fitted / published |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in gap.iterrows():
-        charge = f", draft charged per {r.neural_draft_charge}" if "neural_draft_charge" in gap else ""
+        charge = f", draft charged per {r.neural_draft_charge}" if gap.neural_draft_charge.nunique() > 1 else ""
         lines.append(f"| {r.dataset} | {r.batch_size} | {r.accounting}{charge} | {cells(r, 'published')} | {cells(r, 'fitted')} "
                      f"| {r.dp_speedup_ratio:.2f} |")
     return "\n".join(lines) + "\n"
