@@ -209,3 +209,73 @@ def test_prefill_pieces_are_even_and_never_a_sliver():
         sizes = [b - a for a, b in pieces]
         assert pieces[0][0] == 0 and pieces[-1][1] == n and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
         assert max(sizes) <= 2048 and max(sizes) - min(sizes) <= 1 and len(pieces) == -(-n // 2048)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "p_eagle"])
+def test_a_heads_first_proposal_reads_a_long_prompt_in_pieces_and_drafts_alike(kind, tiny_llama, tmp_path, monkeypatch):
+    """A head's first proposal reads the whole prompt's target features: past the target's prefill
+    piece it takes them in those pieces (memory bounded at 32k, as the target's prefill), and every
+    cycle drafts the same tokens as with the prompt in one forward (tiny random Llama and head)."""
+    import torch
+
+    from backends.native import NativeBackend
+    from backends.native.drafters import HeadDrafter
+    from backends.native.heads import DraftHead, new_eagle3_head, save_eagle3_head
+    from backends.native.loading import load_model
+    from backends.native.model import Transformer
+    from bench.backend import Sampling
+
+    args = load_model(str(tiny_llama))[2]
+    ids = torch.randperm(args.vocab_size, generator=torch.Generator().manual_seed(0))[:300]
+    head = new_eagle3_head(args, ids, parallel=kind == "p_eagle", mask_token_id=3, init_std=0.3, seed=0)
+    save_eagle3_head(head, tmp_path / "h")
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": kind, "head_path": str(tmp_path / "h")}, num_speculative_tokens=3)
+    prompt = [b.tokenize("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+                         "def sub(a, b):\n    return a - b\n\n\ndef div(a, b):\n    return")]
+    widths, drafts, forward, propose = [], [], DraftHead.forward, HeadDrafter.propose
+
+    def spy(self, target, tokens, *a, **kw):
+        widths.append(tokens.shape[1])
+        return forward(self, target, tokens, *a, **kw)
+
+    def spy_propose(self, *a, **kw):
+        out = propose(self, *a, **kw)
+        drafts.append(out.tokens)
+        return out
+
+    monkeypatch.setattr(DraftHead, "forward", spy)
+    monkeypatch.setattr(HeadDrafter, "propose", spy_propose)
+    whole = b.generate(prompt, Sampling(), 16, speculative=True)
+    assert max(widths) > 20  # the first proposal forwarded the whole prompt at once
+    whole_drafts = list(drafts)
+    widths.clear(), drafts.clear()
+    monkeypatch.setattr(Transformer, "prefill_chunk_tokens", 7)
+    pieces = b.generate(prompt, Sampling(), 16, speculative=True)
+    assert max(widths) <= 7 + 2 and len(widths) > len(pieces.cycles) + 2  # pieces, then cycles of k + 1 (+ k - 1 masks)
+    assert drafts == whole_drafts and len(drafts) == len(pieces.cycles)  # every cycle drafted the same tokens
+    assert list(pieces.requests[0].output_token_ids) == list(whole.requests[0].output_token_ids)
+
+
+def test_the_lossless_probe_forwards_a_long_prefix_in_the_engines_prefill_pieces(tiny_llama, monkeypatch):
+    """margins_across_shapes past the target's prefill piece forwards what it does not score in
+    those pieces (memory bounded at 32k) and scores the same margins as one forward would."""
+    from backends.native.engine import margins_across_shapes
+    from backends.native.loading import load_model
+    from backends.native.model import Transformer
+
+    model, tok, _, _ = load_model(str(tiny_llama))
+    prefix = tok.encode("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\ndef sub(a, b):").ids
+    assert len(prefix) > 20
+    shapes = [1, 2, 3, 0]
+    whole = margins_across_shapes(model, prefix, 5, 7, shapes)
+    widths, forward = [], Transformer.forward
+
+    def spy(self, tokens, *a, **kw):
+        widths.append(tokens.shape[1])
+        return forward(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    monkeypatch.setattr(Transformer, "prefill_chunk_tokens", 7)
+    pieces = margins_across_shapes(model, prefix, 5, 7, shapes)
+    assert max(widths) <= 7 and len(widths) >= 4 * 3
+    assert pieces == pytest.approx(whole, abs=1e-4)

@@ -235,10 +235,29 @@ class HeadDrafter(Drafter):
         ids, probs = select(logits, sp, gen)
         return self.head.to_target_ids(ids), _full_vocab_probs(probs, self.head, self.target.args.vocab_size)
 
+    def _feed_long_tails(self, rows, seqs):
+        """A row's first proposal reads its whole prompt: a tail longer than the target's prefill
+        piece is fed to the head in those pieces (no logits) but the last, which the proposal
+        forwards, so the head's attention holds piece x context scores, as the target's does."""
+        chunk = getattr(self.target, "prefill_chunk_tokens", None)
+        dev = self.target.embed.weight.device
+        for r, s in zip(rows, seqs):
+            start, feats = self.head_len[r], torch.cat(self.pending[r])
+            pieces = prefill_pieces(len(feats), chunk)
+            if len(pieces) < 2:
+                continue
+            for a, b in pieces[:-1]:
+                toks = torch.tensor([s[start + 1 + a : start + 1 + b]], device=dev)
+                self.head(self.target, toks, feats[None, a:b], torch.arange(start + a, start + b, device=dev)[None],
+                          torch.tensor([r], device=dev), torch.zeros_like(toks, dtype=torch.bool))
+            last = pieces[-1][0]
+            self.head_len[r], self.pending[r] = start + last, [feats[last:]]
+
     def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
         dev = self.target.embed.weight.device
         head, k = self.head, self.width(k)
         extra = k - 1 if head.parallel else 0  # P-EAGLE: k - 1 mask queries after the bonus token
+        self._feed_long_tails(rows, seqs)
         tails = []
         for r, s in zip(rows, seqs):
             feats = torch.cat(self.pending[r])

@@ -221,18 +221,21 @@ def generate(
 def margins_across_shapes(model: Target, prefix: list[int], preferred: int, other: int, shapes: list[int]) -> list[float]:
     """logit(preferred) - logit(other) as the next token after prefix (= log p difference), one
     row in cache slot 0, per shape: n, the prefix's start forwarded first and its last n tokens in
-    one forward (as a verify carries them); 0, the whole prefix in one forward
-    (NativeBackend.margins_across_shapes; the lossless check's probe, never inside a timed run)."""
+    one forward (as a verify carries them); 0, the whole prefix as the engine prefills a prompt
+    (NativeBackend.margins_across_shapes; the lossless check's probe, never inside a timed run).
+    Whatever is forwarded without its logits goes in the engine's prefill pieces, so a probe
+    past a long prompt holds piece x context attention scores, not context x context."""
     dev, L = model.device, len(prefix)
     model.setup_cache(1, L + 1)  # a larger cache already there is kept (engine.setup does the same)
     slot, out = torch.tensor([0], device=dev), []
+    chunk = getattr(model, "prefill_chunk_tokens", None)
     for n in shapes:
-        n = L if n == 0 else min(n, L)
+        n = min(n, L) if n else L - prefill_pieces(L, chunk)[-1][0]  # 0: the engine's last prefill piece
         head, tail = prefix[: L - n], prefix[L - n:]
         model.rollback(0, 0)
-        if head:
-            toks = torch.tensor([head], device=dev)
-            model(toks, torch.arange(len(head), device=dev)[None], rows=slot,
+        for a, b in prefill_pieces(len(head), chunk) if head else []:
+            toks = torch.tensor([head[a:b]], device=dev)
+            model(toks, torch.arange(a, b, device=dev)[None], rows=slot,
                   logits_for=torch.zeros_like(toks, dtype=torch.bool))
         toks = torch.tensor([tail], device=dev)
         last = torch.zeros_like(toks, dtype=torch.bool)
