@@ -96,6 +96,7 @@ class QuantizedDraft(DraftVocabKnob, Method):
     name: str = "quantized_draft"
     drafter: str = "model"
     bits: int = 8  # 8 (int8, one scale per row) or 4 (int4, a scale and an offset per group of up to 128 inputs)
+    draft_vocab_from: str = "text"  # which ids draft_vocab keeps: text (the most frequent in the standard library and the language reference, end-of-turn ids first) or ids (the first N)
 
 
 @dataclass

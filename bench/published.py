@@ -88,9 +88,11 @@ def record(sweep_dir: Path, out: Path, title: str, commands: list[str], note: st
     df = load_summaries(Path(sweep_dir))
     if not len(df):
         raise SystemExit(f"{sweep_dir}: no complete job to record")
+    for c in [c for c in columns or () if "." in c and c not in df.columns]:
+        df[c] = [_config_value(Path(sweep_dir), job, c) for job in df["job"]]
     cols = [c for c in (columns or DEFAULT_COLUMNS) if c in df.columns] + flat_buckets(df)
-    order = [c for c in ("backend", "method", "workload", "load_kind", "load_level", "batch_size", "prompt_tokens")
-             if c in df.columns]
+    order = [c for c in ("backend", "method", "workload", "load_kind", "load_level", "batch_size", "prompt_tokens",
+                         *[c for c in cols if "." in c], "num_speculative_tokens") if c in df.columns]
     first = df.iloc[0]
     write_folder(out, df.sort_values(order)[cols], title, commands, note, cpu=first.get("cpu"),
                  threads=sorted({int(t) for t in df.get("threads", []) if t == t}), loadavg_range=_load_range(df))
@@ -100,6 +102,24 @@ def record(sweep_dir: Path, out: Path, title: str, commands: list[str], note: st
             (out / name).write_bytes(src.read_bytes())
     render(out)
     return out
+
+
+def _config_value(sweep_dir: Path, job: str, dotted: str):
+    """A job's setting (method.bits, backend.threads, ...) from the config.yaml in its folder, its
+    value as the job ran (the method's default where the job did not set it), or None."""
+    from omegaconf import OmegaConf
+
+    from bench.methods import method_defaults
+
+    path = sweep_dir / job / "config.yaml"
+    if not path.exists():
+        return None
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    group, _, key = dotted.partition(".")
+    node = cfg.get(group) if isinstance(cfg.get(group), dict) else {}
+    if key not in node and group == "method":
+        node = {**method_defaults(node.get("name")), **node}
+    return node.get(key)
 
 
 def write_folder(out: Path, rows: pd.DataFrame, title: str, commands: list[str], note: str = "", cpu: str | None = None,
@@ -235,7 +255,9 @@ def render(folder: Path) -> Path:
         c = spec.split("[")[0].split(":")[0]
         return c in df.columns and df[c].notna().any() and not (df[c].astype(str) == "static").all()
 
-    keys = [c for c in ("backend", "method", "workload", "batch_size", "load_label", "prompt_tokens")
+    settings = [c for c in df.columns if "." in c]  # a job's settings recorded with --column method.KEY
+    keys = [c for c in ("backend", "method", "workload", "batch_size", "load_label", "prompt_tokens", *settings,
+                        "num_speculative_tokens")
             if has(c) and (df[c].nunique() > 1 or c in ("method", "workload", "load_label"))]
     cols = keys + [c for c in ("speedup[ci]", "tpot_speedup[ci]", "goodput_ratio", "acceptance_rate",
                                "mean_acceptance_length", "verify_fraction:.0%", "draft_fraction:.1%",
@@ -266,7 +288,8 @@ def main(argv=None) -> int:
     r.add_argument("--note", default="")
     r.add_argument("--plot", action="append", default=[], help="a report plot to keep beside the data (repeatable)")
     r.add_argument("--column", action="append", default=[],
-                   help="a row column to keep besides the default ones, e.g. verify_cost_ratio (repeatable)")
+                   help="a row column to keep besides the default ones, e.g. verify_cost_ratio, or a job's "
+                        "setting read from its config.yaml, e.g. method.bits (repeatable)")
     f = sub.add_parser("fill", help="rewrite the marked figures of markdown files from their data")
     f.add_argument("paths", nargs="+", type=Path, help="markdown files or folders")
     f.add_argument("--check", action="store_true", help="change nothing; exit 1 naming every page that drifted")

@@ -67,12 +67,16 @@ def cycle_draft_probs(probs, k: int, chains: bool) -> list[list[float]]:
 
 def method_config(name: str, job_cfg) -> dict:
     """The method's config as its typed node declares it, with the job's own values when the job
-    ran that method."""
+    ran that method, or its knobs when the job's method drafts with others' drafters (combined,
+    adaptive: their sub-drafters read their knobs from its config, as the engine runs them)."""
     m = method_defaults(name)
     if not m:
         raise ValueError(f"unknown method {name!r}; valid: {', '.join(sorted(known_methods()))}")
-    if job_cfg.method.name == name:
-        m.update(OmegaConf.to_container(job_cfg.method))
+    job_method = OmegaConf.to_container(job_cfg.method)
+    if job_method.get("name") == name:
+        m.update(job_method)
+    elif method_defaults(job_method.get("name")).get("drafter") == "mixed":
+        m.update({k: v for k, v in job_method.items() if k in m and k not in ("name", "drafter")})
     return m
 
 

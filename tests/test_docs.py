@@ -100,11 +100,15 @@ def test_a_recorded_measurement_keeps_the_columns_asked_for(tmp_path, monkeypatc
     (job / "summary.json").write_text(json.dumps({"job": job.name, "status": "ok", "backend": "native", "method": "ngram",
                                                   "workload": "chat", "batch_size": 1, "speedup": 1.2,
                                                   "verify_cost_ratio": 1.1, "cpu": "some CPU"}))
-    for name, extra in (("plain", []), ("more", ["--column", "verify_cost_ratio"])):
+    (job / "config.yaml").write_text("method:\n  name: ngram\n  max_ngram: 5\nbackend:\n  threads: 2\n")
+    for name, extra in (("plain", []), ("more", ["--column", "verify_cost_ratio", "--column", "method.max_ngram",
+                                                  "--column", "method.min_ngram", "--column", "backend.threads"])):
         assert published.main(["record", str(tmp_path / "sweep"), "--out", str(tmp_path / name), "--title", "t",
                                "--command", "specsweep", *extra]) == 0
     assert "verify_cost_ratio" not in pd.read_csv(tmp_path / "plain" / "index.csv").columns
-    assert pd.read_csv(tmp_path / "more" / "index.csv").verify_cost_ratio.tolist() == [1.1]
+    more = pd.read_csv(tmp_path / "more" / "index.csv")
+    assert more.verify_cost_ratio.tolist() == [1.1] and more["backend.threads"].tolist() == [2]
+    assert more["method.max_ngram"].tolist() == [5] and more["method.min_ngram"].tolist() == [1]  # as set; its default
 
 
 def test_a_changed_figure_is_caught_as_drift():

@@ -54,6 +54,56 @@ def test_a_quantized_self_draft_is_lossless_and_accepted(tiny_llama, bits):
 def test_bad_bits_and_a_gpu_are_refused_before_the_model_loads():
     with pytest.raises(ValueError, match="method.bits=3 is not valid; use one of 8, 4"):
         NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "quantized_draft", "bits": 3}, 4)
+    with pytest.raises(ValueError, match="method.draft_vocab_from='freq' is not valid; use one of text, ids"):
+        NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "combined", "neural": "quantized_draft",
+                                                                  "draft_vocab_from": "freq"}, 4)
+
+
+@pytest.mark.slow
+def test_the_text_ranking_puts_end_of_turn_ids_first_then_what_text_uses_most():
+    """The draft vocabulary method.draft_vocab_from=text keeps: the ids given first, then by count in
+    the standard library and the language reference (a real tokenizer: the default model's)."""
+    from tokenizers import Tokenizer
+
+    from backends.native.loading import convert_gguf, resolve_model_path
+    from backends.native.train_text import token_ranking
+
+    tok = Tokenizer.from_file(str(convert_gguf(resolve_model_path("gemma3-270m")) / "tokenizer.json"))
+    ranking = token_ranking(lambda s: tok.encode(s).ids, tok.get_vocab_size(), (106, 1))
+    assert ranking[:2] == [106, 1] and sorted(ranking) == list(range(tok.get_vocab_size()))
+    top = set(ranking[:2000])
+    for common in ("\n", " the", "(", ")", ":", "0", "self"):
+        assert set(tok.encode(common, add_special_tokens=False).ids) <= top, common  # Gemma: digits, punctuation past 230000
+    assert sum(i >= 200_000 for i in ranking[:2000]) > 20
+
+
+@pytest.mark.parametrize("order", ["text", "ids"])
+def test_a_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_llama, order, monkeypatch):
+    """draft_vocab=N with draft_vocab_from=text: the copy's head holds the N ranked ids' rows and
+    every draft is one of them (mapped back to the target's ids); with ids, the first N ids."""
+    import backends.native.train_text as train_text
+
+    n = 40
+    ranking = list(range(511, -1, -1))  # the tiny vocabulary reversed: the last ids ranked first
+    monkeypatch.setattr(train_text, "token_ranking", lambda encode, size, first=(): ranking[:size] + list(range(size, 0)))
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "quantized_draft", "bits": 8, "draft_vocab": n,
+                                                 "draft_vocab_from": order}, num_speculative_tokens=3)
+    ids = [b.tokenize("the quick brown fox jumps over"), b.tokenize("import os\nimport sys\n")]
+    drafts, propose = [], type(b.drafter).propose
+
+    def spy(self, *a, **kw):
+        out = propose(self, *a, **kw)
+        drafts.extend(t for row in out.tokens for t in row)
+        return out
+
+    monkeypatch.setattr(type(b.drafter), "propose", spy)
+    base = b.generate(ids, Sampling(), 24, speculative=False)
+    spec = b.generate(ids, Sampling(), 24, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    allowed = set(ranking[:n]) if order == "text" else set(range(n))
+    assert drafts and set(drafts) <= allowed, sorted(set(drafts) - allowed)[:5]
+    assert b.drafter.model.lm_head.weight.shape[0] == (n if order == "text" else b.args.vocab_size)
+    assert "most frequent" in b.describe()["drafter"] if order == "text" else "first 40" in b.describe()["drafter"]
 
 
 @pytest.mark.full

@@ -130,6 +130,22 @@ def test_which_methods_the_trace_builder_replays_is_declared_by_their_config():
     assert replayed_lookup({"name": "x", "drafter": "model", **{k: 1 for k in NGRAM_KEYS}}) is None
 
 
+def test_a_mixed_jobs_sub_drafters_are_traced_with_the_knobs_the_engine_gave_them():
+    """An adaptive or combined job's drafters read their knobs from its config (the engine hands
+    each the whole method config): the traces replay them with those, not with their defaults."""
+    from omegaconf import OmegaConf
+
+    from bench.traces import method_config
+
+    job = OmegaConf.create({"method": {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:4:2", "bits": 4,
+                                       "draft_vocab": 16384, "max_ngram": 5}})
+    q = method_config("quantized_draft", job)
+    assert (q["name"], q["bits"], q["draft_vocab"], q["drafter"]) == ("quantized_draft", 4, 16384, "model")
+    assert method_config("ngram", job)["max_ngram"] == 5 and "policy" not in q
+    plain = OmegaConf.create({"method": {"name": "ngram", "max_ngram": 5}})
+    assert method_config("quantized_draft", plain)["bits"] == 8  # another single method's knobs are not its own
+
+
 def test_traces_of_a_job_record_match_lengths_and_draft_probabilities(tmp_path, tiny_llama):
     """build_traces on a job folder (its config and its baseline generations, as a sweep writes
     them): the lookup's draft_len and match_len agree with ngram_lookup at every position, and the

@@ -92,6 +92,20 @@ def _load(path: str, dtype: str, device: str):
     return _LOADED[key]
 
 
+DRAFT_VOCAB_FROM = ("text", "ids")  # method.draft_vocab_from: which ids a quantized draft's draft_vocab keeps
+
+
+def _quantized_knobs(method: dict) -> dict:
+    """A quantized self-draft's knobs, checked: a ValueError names the bad value and what is valid."""
+    q = knobs("quantized_draft", method)
+    if q["bits"] not in BITS:
+        raise ValueError(f"method.bits={q['bits']} is not valid; use one of {', '.join(map(str, BITS))}")
+    if q["draft_vocab_from"] not in DRAFT_VOCAB_FROM:
+        raise ValueError(f"method.draft_vocab_from={q['draft_vocab_from']!r} is not valid; use one of "
+                         f"{', '.join(DRAFT_VOCAB_FROM)}")
+    return q
+
+
 class NativeBackend(Backend):
     name = "native"
     supported_methods = METHODS
@@ -111,10 +125,10 @@ class NativeBackend(Backend):
         self.model_path = model["path"]
         self.model, self.tokenizer, self.args, self.resolved = _load(self.model_path, self.cfg.dtype, self.cfg.device)
         self.k = num_speculative_tokens
+        self.eos = tuple(self.args.eos_token_ids)
         self.drafter = self._make_drafter(name, self.method)
         for m in self._transformers():  # the model is shared by a sweep's jobs: each sets it as it asks
             m.compile_steps(self.cfg.compile)
-        self.eos = tuple(self.args.eos_token_ids)
         # Each projection's CPU product, measured on this machine (cached after the first time).
         self.kernels = kernels.tune(self._weights(), log=log.info) if self.cfg.device == "cpu" else {}
 
@@ -126,10 +140,8 @@ class NativeBackend(Backend):
         resolve_model_path(model["path"])
         if method.get("name") == "adaptive":
             adaptive_policy(method)
-        if method.get("name") == "quantized_draft":
-            bits = knobs("quantized_draft", method)["bits"]
-            if bits not in BITS:
-                raise ValueError(f"method.bits={bits} is not valid; use one of {', '.join(map(str, BITS))}")
+        if "quantized_draft" in drafters_in(method):
+            _quantized_knobs(method)
             if cfg.device != "cpu":
                 raise ValueError(f"method quantized_draft runs torch's CPU kernels for int8 and int4 weights; "
                                  f"backend.device={cfg.device} is not cpu")
@@ -208,6 +220,17 @@ class NativeBackend(Backend):
         return [p for m in modules for p in (m.matrices() if isinstance(m, Transformer) else m.parameters())
                 if isinstance(p, torch.Tensor) and p.dim() == 2]
 
+    def _draft_vocab_ids(self, size: int, order: str) -> torch.Tensor | None:
+        """The target ids of a draft vocabulary of `size`, in the order the draft's head holds
+        them: text, the ids most frequent in offline text (end-of-turn ids first); ids, None (the
+        head's first size rows as they are)."""
+        if order == "ids":
+            return None
+        from .train_text import token_ranking
+
+        ranking = token_ranking(lambda s: self.tokenizer.encode(s).ids, self.args.vocab_size, self.eos)
+        return torch.tensor(ranking[:size], device=self.cfg.device)
+
     def _make_drafter(self, name: str, m: dict):
         k, n_layers, vocab = self.k, self.args.n_layers, m.get("draft_vocab")
         if vocab is not None and not 1 <= vocab <= self.args.vocab_size:
@@ -220,11 +243,13 @@ class NativeBackend(Backend):
         if name == "draft_model":
             return self._draft_model(m, vocab, vocab_note)
         if name == "quantized_draft":
-            bits = knobs("quantized_draft", m)["bits"]
-            if bits not in BITS:
-                raise ValueError(f"method.bits={bits} is not valid; use one of {', '.join(map(str, BITS))}")
-            return ModelDrafter(quantized_copy(self.model, bits), k,
-                                f"the target's own weights at int{bits} (weight-only){vocab_note}", vocab)
+            q = _quantized_knobs(m)
+            head_ids = self._draft_vocab_ids(vocab, q["draft_vocab_from"]) if vocab else None
+            if head_ids is not None:
+                vocab_note = f", draft vocabulary = the {vocab} token ids most frequent in offline text"
+            return ModelDrafter(quantized_copy(self.model, q["bits"], head_ids), k,
+                                f"the target's own weights at int{q['bits']} (weight-only){vocab_note}", vocab,
+                                vocab_ids=head_ids)
         if name == "layer_skip":
             skip = sorted(set(m.get("skip_layers") or []))
             bad = [i for i in skip if not 0 <= i < n_layers]
@@ -369,7 +394,7 @@ class NativeBackend(Backend):
             for s in range(0, len(seq) - 1, 64):  # the vocabulary projection in chunks: 262k columns
                 # the drafter's own logits, as its drafting forward makes them (soft-capped where the model is)
                 ids, p = greedy_with_prob(model.head_logits(h[s : min(s + 64, len(seq) - 1)], d.vocab_limit))
-                pred += ids.tolist()
+                pred += (ids if getattr(d, "vocab_ids", None) is None else d.vocab_ids[ids]).tolist()
                 prob += p.tolist()
             out.append(pred)
             probs.append(prob)

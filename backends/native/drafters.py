@@ -18,12 +18,20 @@ from .model import Transformer, prefill_pieces
 from .sampling import SamplingParams, select
 
 
-def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None):
+def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None, vocab_ids=None):
     """One drafting forward: the next token per row and its draft distribution over the full
-    vocabulary (zero outside the draft vocabulary), or None when greedy."""
+    vocabulary (zero outside the draft vocabulary), or None when greedy. vocab_ids: the target
+    id of each of the model's output rows (a head reordered to a draft vocabulary), else the
+    rows are the target's ids."""
     logits = model(toks, pos, rows=rows, layers=layers, vocab_limit=vocab_limit)[:, -1]
     nxt, probs = select(logits, sp, gen)
-    if probs is not None and vocab_limit is not None:
+    if vocab_ids is not None:
+        ids = vocab_ids[: logits.shape[-1]]
+        nxt = ids[nxt]
+        if probs is not None:
+            probs = torch.zeros(probs.shape[0], model.args.vocab_size, dtype=probs.dtype,
+                                device=probs.device).index_copy_(-1, ids, probs)
+    elif probs is not None and vocab_limit is not None:
         probs = F.pad(probs, (0, model.args.vocab_size - probs.shape[-1]))
     return nxt, probs
 
@@ -118,8 +126,10 @@ class ModelDrafter(Drafter):
     one forward over what it lacks: lazy, the prompt is fed at the row's first draft, so a
     policy that never drafts with this model for a request never pays its prefill."""
 
-    def __init__(self, model: Transformer, k: int, label: str, vocab_limit: int | None = None, lazy: bool = False):
+    def __init__(self, model: Transformer, k: int, label: str, vocab_limit: int | None = None, lazy: bool = False,
+                 vocab_ids: torch.Tensor | None = None):
         self.model, self.k, self.label, self.vocab_limit, self.lazy = model, k, label, vocab_limit, lazy
+        self.vocab_ids = vocab_ids  # the target id of each row of the model's output head, where reordered
         self.draft_len: dict[int, int] = {}
 
     def setup(self, max_batch: int, max_len: int):
@@ -159,7 +169,7 @@ class ModelDrafter(Drafter):
         toks_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(pos, device=dev)
         out_toks, out_probs = [], []
         for _ in range(k):
-            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit)
+            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, vocab_ids=self.vocab_ids)
             out_toks.append(nxt)
             out_probs.append(probs)
             toks_t, pos_t = nxt[:, None], pos_t[:, -1:] + 1

@@ -107,9 +107,11 @@ def _own_tables(module: nn.Module) -> nn.Module:
     return c
 
 
-def quantized_copy(model, bits: int):
+def quantized_copy(model, bits: int, head_ids: torch.Tensor | None = None):
     """The target at `bits`: every matrix product of its layers and its output head quantized
-    (the q/k/v and gate/up products fused, as the target runs them), the rest shared."""
+    (the q/k/v and gate/up products fused, as the target runs them), the rest shared. head_ids:
+    the output head holds those target ids' rows only, in that order (a draft vocabulary; the
+    drafter maps its choices back through them)."""
     from .model import Transformer
 
     if model.device.type != "cpu":
@@ -118,7 +120,8 @@ def quantized_copy(model, bits: int):
         draft = Transformer(model.args)
     draft.embed, draft.norm = model.embed, model.norm
     draft.inv_freq, draft.inv_freq_local = model.inv_freq, model.inv_freq_local
-    draft.lm_head = QuantizedLinear(QuantizedWeight.of(model.output_weight, bits))
+    head = model.output_weight if head_ids is None else model.output_weight[head_ids.to(model.output_weight.device)]
+    draft.lm_head = QuantizedLinear(QuantizedWeight.of(head, bits))
     layers = []
     for layer in model.layers:
         if layer.attn.wqkv is None or layer.ffn.w_gate_up is None:
