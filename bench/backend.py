@@ -306,9 +306,10 @@ class Backend(abc.ABC):
         """The engine's own numerics at one decision, speculation off: log p(preferred) - log
         p(other) as the next token after `prefix`, once per batch shape in `shapes` (n: the prefix's
         last n tokens forwarded together, its start already cached; 0: the whole prefix in one
-        forward, or in the pieces the engine prefills a long prompt in); NaN for a shape where either token is not among those the engine lists. The
-        lossless check asks it where a greedy output diverged away from a near-tie (a verify batch
-        is one more shape). None: the engine cannot score a prefix under chosen shapes."""
+        forward, or in the pieces the engine prefills a long prompt in); NaN for a shape where
+        either token is not among those the engine lists. The lossless check asks it where a
+        greedy output diverged away from a near-tie (a verify batch is one more shape). None: the
+        engine cannot score a prefix under chosen shapes."""
         return None
 
     @classmethod

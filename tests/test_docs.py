@@ -3,6 +3,7 @@ reference pages are what the code declares, every `specsweep` command a page sho
 the real config (no key that does not exist), and the README stays a guide (<= 250 lines)."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -118,8 +119,12 @@ def test_a_changed_figure_is_caught_as_drift():
     assert published.fill_text(published.fill_text(page)) == published.fill_text(page)
 
 
-def test_reference_pages_are_what_the_code_declares():
-    r = subprocess.run([sys.executable, "-m", "bench.reference", "--check"], cwd=ROOT, capture_output=True, text=True)
+def test_reference_pages_are_what_the_code_declares(tmp_path):
+    """Under another home and cache folder too: a page that printed this machine's paths would
+    differ on the next one (the CLI reference once held the vLLM environment's full path)."""
+    env = {**os.environ, "HOME": str(tmp_path), "SPECSWEEP_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "bench.reference", "--check"], cwd=ROOT, capture_output=True, text=True,
+                       env=env)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

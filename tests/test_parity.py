@@ -73,7 +73,9 @@ def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transforme
     layers read only the slots their queries reach (model.Transformer.forward), which must leave
     every position's logits as transformers computes them over every slot with its mask; the
     greedy tokens are transformers' choices but at near-ties (top-2 margin below 1e-3, where fp32
-    summation order decides), and the same whether the prompt went in pieces or whole."""
+    summation order decides), and the same whether the prompt went in pieces or whole, up to a
+    near-tie (where the pieces' other summation order may choose the other token: seen on a cold
+    run, a margin of 1.3e-5 at step 6)."""
     from transformers import AutoModelForCausalLM
 
     from backends.native.model import Transformer
@@ -86,7 +88,7 @@ def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transforme
     whole = generate(model, [ids], 16, SamplingParams())[0][0].tokens
     monkeypatch.setattr(Transformer, "prefill_chunk_tokens", 256)  # four pieces, the later ones past the window
     pieces = generate(model, [ids], 16, SamplingParams())[0][0].tokens
-    assert pieces == whole
+    parted = next((i for i, (a, b) in enumerate(zip(pieces, whole)) if a != b), None)  # weighed below
     seq = ids + pieces
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     with torch.inference_mode():
@@ -100,3 +102,5 @@ def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transforme
     top2 = torch.topk(step, 2, dim=-1).values
     for i, (mine, choice) in enumerate(zip(pieces, step.argmax(-1).tolist())):
         assert mine == choice or float(top2[i, 0] - top2[i, 1]) < 1e-3, (i, mine, choice)
+    if parted is not None:  # pieces and whole part only where the step's top two are within 1e-3
+        assert float(top2[parted, 0] - top2[parted, 1]) < 1e-3, (parted, pieces[parted], whole[parted])

@@ -362,8 +362,9 @@ class NativeBackend(Backend):
         difference), one row in cache slot 0, speculation off, per shape: n, the prefix's start
         forwarded as the engine prefills it and its last n tokens in one forward, as a verify
         carries them (through the compiled step where the engine runs compiled); 0, the whole
-        prefix as the engine prefills a prompt (one forward; pieces past PREFILL_CHUNK_TOKENS). The engine's bf16 logits move with the tokens a forward carries (a
-        verify is not a decode on a GPU), which is what the lossless check asks about."""
+        prefix as the engine prefills a prompt (one forward; pieces past PREFILL_CHUNK_TOKENS).
+        The engine's bf16 logits move with the tokens a forward carries (a verify is not a
+        decode on a GPU), which is what the lossless check asks about."""
         return margins_across_shapes(self.model, prefix, preferred, other, shapes)
 
     @torch.inference_mode()

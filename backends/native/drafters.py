@@ -23,7 +23,9 @@ def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None, vocab
     vocabulary (zero outside the draft vocabulary), or None when greedy. vocab_ids: the target
     id of each of the model's output rows (a head reordered to a draft vocabulary), else the
     rows are the target's ids."""
-    logits = model(toks, pos, rows=rows, layers=layers, vocab_limit=vocab_limit)[:, -1]
+    last = torch.zeros(toks.shape, dtype=torch.bool, device=toks.device)
+    last[:, -1] = True  # a first step may carry a row's tail: the logits of its last token only
+    logits = model(toks, pos, rows=rows, layers=layers, vocab_limit=vocab_limit, logits_for=last)
     nxt, probs = select(logits, sp, gen)
     if vocab_ids is not None:
         ids = vocab_ids[: logits.shape[-1]]
@@ -154,8 +156,13 @@ class ModelDrafter(Drafter):
     def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen, k=None) -> Proposal:
         k = self.width(k)
         dev = self.model.embed.weight.device
+        # A row behind by more than a cycle's tail catches up alone, so that rows batched together
+        # are not padded to the longest tail; a row drafting alone takes its whole tail (tokens
+        # other drafters emitted while it sat out, or a lazy prompt) with its first draft step, one
+        # forward instead of two, up to a prefill piece.
+        most = 2 if len(rows) > 1 else getattr(self.model, "prefill_chunk_tokens", None) or 2048
         for r, s in zip(rows, seqs):
-            if len(s) - self.draft_len[r] > 2:  # behind by more than a cycle's tail: catch up alone
+            if len(s) - self.draft_len[r] > most:
                 self._feed(r, s[self.draft_len[r]:-1], self.draft_len[r])
                 self.draft_len[r] = len(s) - 1
         tails = [len(s) - self.draft_len[r] for r, s in zip(rows, seqs)]
@@ -169,7 +176,8 @@ class ModelDrafter(Drafter):
         toks_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(pos, device=dev)
         out_toks, out_probs = [], []
         for _ in range(k):
-            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, vocab_ids=self.vocab_ids)
+            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit,
+                                     vocab_ids=self.vocab_ids)
             out_toks.append(nxt)
             out_probs.append(probs)
             toks_t, pos_t = nxt[:, None], pos_t[:, -1:] + 1
