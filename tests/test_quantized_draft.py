@@ -81,11 +81,13 @@ def test_the_text_ranking_puts_end_of_turn_ids_first_then_what_text_uses_most():
 def test_a_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_llama, order, monkeypatch):
     """draft_vocab=N with draft_vocab_from=text: the copy's head holds the N ranked ids' rows and
     every draft is one of them (mapped back to the target's ids); with ids, the first N ids."""
+    import backends.native.backend as native_backend
     import backends.native.train_text as train_text
 
     n = 40
     ranking = list(range(511, -1, -1))  # the tiny vocabulary reversed: the last ids ranked first
     monkeypatch.setattr(train_text, "token_ranking", lambda encode, size, first=(): ranking)
+    monkeypatch.setattr(native_backend, "_RANKINGS", {})  # this ranking is not the model's: kept from no one
     b = NativeBackend({"path": str(tiny_llama)}, {"name": "quantized_draft", "bits": 8, "draft_vocab": n,
                                                  "draft_vocab_from": order}, num_speculative_tokens=3)
     ids = [b.tokenize("the quick brown fox jumps over"), b.tokenize("import os\nimport sys\n")]

@@ -108,9 +108,9 @@ def long_chat(num_prompts, seed, chars):
     answers this machine holds without a model to write them), in chat's own template."""
     topics = _pydoc_topics()
     qs = _choose(CHAT_QUESTIONS, num_prompts, seed, "chat questions")
-    out = []
+    out, by_name = [], sorted(topics)
     for i, q in enumerate(qs):
-        names = sorted(topics)
+        names = list(by_name)
         random.Random(seed + i).shuffle(names)
         turns, n = [], 0
         for name in names:

@@ -93,6 +93,7 @@ def _load(path: str, dtype: str, device: str):
 
 
 DRAFT_VOCAB_FROM = ("text", "ids")  # method.draft_vocab_from: which ids a quantized draft's draft_vocab keeps
+_RANKINGS: dict[str, list[int]] = {}  # model -> its tokens ranked by use in offline text: tokenized once a process
 
 
 def _quantized_knobs(method: dict) -> dict:
@@ -228,8 +229,10 @@ class NativeBackend(Backend):
             return None
         from .train_text import token_ranking
 
-        ranking = token_ranking(lambda s: self.tokenizer.encode(s).ids, self.args.vocab_size, self.eos)
-        return torch.tensor(ranking[:size], device=self.cfg.device)
+        key = str(self.resolved)  # a sweep's jobs share the process, and the model (_load)
+        if key not in _RANKINGS:
+            _RANKINGS[key] = token_ranking(lambda s: self.tokenizer.encode(s).ids, self.args.vocab_size, self.eos)
+        return torch.tensor(_RANKINGS[key][:size], device=self.cfg.device)
 
     def _make_drafter(self, name: str, m: dict):
         k, n_layers, vocab = self.k, self.args.n_layers, m.get("draft_vocab")

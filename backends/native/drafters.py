@@ -4,6 +4,7 @@ ones (layer skip), which by design share it: the verify pass rewrites every slot
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from bench.methods import knobs
 from bench.ngram import ngram_lookup
 
-from .model import Transformer, prefill_pieces
+from .model import Transformer, prefill_pieces, write_kv
 from .sampling import SamplingParams, select
 
 
@@ -137,20 +138,11 @@ class ModelDrafter(Drafter):
     def setup(self, max_batch: int, max_len: int):
         self.model.setup_cache(max_batch, max_len)
 
-    def _feed(self, row: int, tokens: list[int], start: int):
-        """Write the KV of tokens at positions start.. for one row (no logits), a long run in the
-        draft's prefill pieces (engine.prefill's reason)."""
-        dev = self.model.embed.weight.device
-        for a, b in prefill_pieces(len(tokens), getattr(self.model, "prefill_chunk_tokens", None)):
-            toks = torch.tensor([tokens[a:b]], device=dev)
-            pos = torch.arange(start + a, start + b, device=dev)[None]
-            self.model(toks, pos, rows=torch.tensor([row], device=dev), logits_for=torch.zeros_like(toks, dtype=torch.bool))
-
     def prefill(self, row: int, prompt: list[int], features=None):
         if self.lazy:
             self.draft_len[row] = 0
             return
-        self._feed(row, prompt, 0)
+        write_kv(self.model, prompt, 0, row)
         self.draft_len[row] = len(prompt)
 
     def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen, k=None) -> Proposal:
@@ -160,10 +152,10 @@ class ModelDrafter(Drafter):
         # are not padded to the longest tail; a row drafting alone takes its whole tail (tokens
         # other drafters emitted while it sat out, or a lazy prompt) with its first draft step, one
         # forward instead of two, up to a prefill piece.
-        most = 2 if len(rows) > 1 else getattr(self.model, "prefill_chunk_tokens", None) or 2048
+        most = 2 if len(rows) > 1 else self.model.prefill_chunk_tokens or math.inf
         for r, s in zip(rows, seqs):
             if len(s) - self.draft_len[r] > most:
-                self._feed(r, s[self.draft_len[r]:-1], self.draft_len[r])
+                write_kv(self.model, s[self.draft_len[r]:-1], self.draft_len[r], r)
                 self.draft_len[r] = len(s) - 1
         tails = [len(s) - self.draft_len[r] for r, s in zip(rows, seqs)]
         T = max(tails)
@@ -260,10 +252,10 @@ class HeadDrafter(Drafter):
         chunk = getattr(self.target, "prefill_chunk_tokens", None)
         dev = self.target.embed.weight.device
         for r, s in zip(rows, seqs):
-            start, feats = self.head_len[r], torch.cat(self.pending[r])
-            pieces = prefill_pieces(len(feats), chunk)
+            pieces = prefill_pieces(sum(len(f) for f in self.pending[r]), chunk)
             if len(pieces) < 2:
                 continue
+            start, feats = self.head_len[r], torch.cat(self.pending[r])
             for a, b in pieces[:-1]:
                 toks = torch.tensor([s[start + 1 + a : start + 1 + b]], device=dev)
                 self.head(self.target, toks, feats[None, a:b], torch.arange(start + a, start + b, device=dev)[None],

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .drafters import Drafter, NoDrafter
-from .model import prefill_pieces
+from .model import prefill_pieces, write_kv
 from .sampling import SamplingParams, accepted_prefix, select, verify
 
 
@@ -233,10 +233,7 @@ def margins_across_shapes(model: Target, prefix: list[int], preferred: int, othe
         n = min(n, L) if n else L - prefill_pieces(L, chunk)[-1][0]  # 0: the engine's last prefill piece
         head, tail = prefix[: L - n], prefix[L - n:]
         model.rollback(0, 0)
-        for a, b in prefill_pieces(len(head), chunk) if head else []:
-            toks = torch.tensor([head[a:b]], device=dev)
-            model(toks, torch.arange(a, b, device=dev)[None], rows=slot,
-                  logits_for=torch.zeros_like(toks, dtype=torch.bool))
+        write_kv(model, head, 0, 0)
         toks = torch.tensor([tail], device=dev)
         last = torch.zeros_like(toks, dtype=torch.bool)
         last[0, -1] = True

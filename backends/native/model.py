@@ -36,6 +36,18 @@ def prefill_pieces(n: int, chunk: int | None) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+def write_kv(model, tokens: list[int], start: int, slot: int) -> None:
+    """Write the KV of tokens at positions start.. in one cache slot, no logits, in the model's
+    prefill pieces (a long run then holds piece x context attention scores, not context x context)."""
+    if not tokens:
+        return
+    dev, row = model.device, torch.tensor([slot], device=model.device)
+    for a, b in prefill_pieces(len(tokens), getattr(model, "prefill_chunk_tokens", None)):
+        toks = torch.tensor([tokens[a:b]], device=dev)
+        model(toks, torch.arange(start + a, start + b, device=dev)[None], rows=row,
+              logits_for=torch.zeros_like(toks, dtype=torch.bool))
+
+
 @dataclass
 class ModelArgs:
     arch: str
