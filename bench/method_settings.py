@@ -97,6 +97,11 @@ class QuantizedDraft(DraftVocabKnob, Method):
     drafter: str = "model"
     bits: int = 8  # 8 (int8, one scale per row) or 4 (int4, a scale and an offset per group of up to 128 inputs)
     draft_vocab_from: str = "text"  # which ids draft_vocab keeps: text (the most frequent in the standard library and the language reference, end-of-turn ids first) or ids (the first N)
+    # target: the copy reads and writes the target's KV cache (no prefill or catch-up through the
+    # copy; the verify pass rewrites what it drafted), so its drafts see the target's KV for every
+    # earlier position; own: a cache of its own, fed the prompt and every accepted token (what every
+    # quantized_draft measurement recorded before this knob ran)
+    kv_cache: str = "target"
 
 
 @dataclass

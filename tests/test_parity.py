@@ -23,12 +23,20 @@ def _prompts(tok, n_tokens=64):
     return [tok.encode(t).ids[:n_tokens] for t in texts]
 
 
-@pytest.mark.slow
-def test_gemma3_logits_and_greedy_tokens_match_transformers(gemma):
+@pytest.fixture(scope="module")
+def gemma_in_transformers(gemma):
+    """transformers' Gemma 3 from the same GGUF file (dequantized to fp32 as it loads, about half a
+    minute here): loaded once for the module's two Gemma tests."""
     from transformers import AutoModelForCausalLM
 
+    path = gemma[3]
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_gemma3_logits_and_greedy_tokens_match_transformers(gemma, gemma_in_transformers):
     model, tok, args, path = gemma
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ref = gemma_in_transformers
     prompts = _prompts(tok)
     model.setup_cache(1, 256)
     for ids in prompts:
@@ -68,7 +76,7 @@ def test_llama_family_matches_transformers(arch, tmp_path):
 
 
 @pytest.mark.slow
-def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transformers(gemma, monkeypatch):
+def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transformers(gemma, gemma_in_transformers, monkeypatch):
     """A prompt past Gemma 3's 512-slot window, prefilled in pieces and decoded: the sliding-window
     layers read only the slots their queries reach (model.Transformer.forward), which must leave
     every position's logits as transformers computes them over every slot with its mask; the
@@ -76,8 +84,6 @@ def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transforme
     summation order decides), and the same whether the prompt went in pieces or whole, up to a
     near-tie (where the pieces' other summation order may choose the other token: seen on a cold
     run, a margin of 1.3e-5 at step 6)."""
-    from transformers import AutoModelForCausalLM
-
     from backends.native.model import Transformer
 
     model, tok, args, path = gemma
@@ -90,9 +96,8 @@ def test_gemma3_past_its_sliding_window_and_in_prefill_pieces_matches_transforme
     pieces = generate(model, [ids], 16, SamplingParams())[0][0].tokens
     parted = next((i for i, (a, b) in enumerate(zip(pieces, whole)) if a != b), None)  # weighed below
     seq = ids + pieces
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     with torch.inference_mode():
-        theirs = ref(torch.tensor([seq])).logits[0, 512:]
+        theirs = gemma_in_transformers(torch.tensor([seq])).logits[0, 512:]
         ours = []  # the prompt in pieces, then one token at a time: every step from 768 on reads a cut window
         for a, b in ((0, 256), (256, 512), (512, 768), (768, 900)) + tuple((p, p + 1) for p in range(900, len(seq))):
             ours.append(model(torch.tensor([seq[a:b]]), torch.arange(a, b)[None])[0])

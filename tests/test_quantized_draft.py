@@ -51,12 +51,49 @@ def test_a_quantized_self_draft_is_lossless_and_accepted(tiny_llama, bits):
     assert f"int{bits}" in d["drafter"] and 0 < d["drafter_weight_bytes_per_step"] < b.weight_bytes_per_step() * bits / 24
 
 
+def test_a_quantized_self_draft_in_the_targets_cache_never_prefills_and_stays_lossless(tiny_llama, monkeypatch):
+    """method.kv_cache=target: the copy reads and writes the target's own cache (the verify pass
+    rewrites what it drafted). Greedy output equals the baseline's, the int8 drafts are accepted
+    about as often as with a cache of its own, and the copy never runs a forward over more than
+    one token a row: no prefill of its own, no catch-up."""
+    from backends.native.model import Transformer
+
+    ids = None
+    rates = {}
+    for kv in ("own", "target"):
+        b = NativeBackend({"path": str(tiny_llama)}, {"name": "quantized_draft", "bits": 8, "kv_cache": kv},
+                          num_speculative_tokens=3)
+        ids = [b.tokenize("the quick brown fox jumps over"), b.tokenize("import os\nimport sys\n")]
+        widths, forward = [], Transformer.forward
+
+        def spy(self, tokens, *a, **kw):
+            if self is b.drafter.model:
+                widths.append(tokens.shape[1])
+            return forward(self, tokens, *a, **kw)
+
+        monkeypatch.setattr(Transformer, "forward", spy)
+        base = b.generate(ids, Sampling(), 24, speculative=False)
+        spec = b.generate(ids, Sampling(), 24, speculative=True)
+        monkeypatch.setattr(Transformer, "forward", forward)
+        assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+        rates[kv] = sum(c["accepted"] for c in spec.cycles) / sum(c["drafted"] for c in spec.cycles)
+        if kv == "target":
+            assert widths and set(widths) == {1}, sorted(set(widths))
+            assert b.drafter.model.caches is b.model.caches and b.drafter.model is not b.model
+            assert "reading the target's KV cache" in b.describe()["drafter"]
+        else:
+            assert max(widths) > 1  # its own cache: the prompt went through the copy
+    assert rates["target"] > 0.6, rates
+
+
 def test_bad_bits_and_a_gpu_are_refused_before_the_model_loads():
     with pytest.raises(ValueError, match="method.bits=3 is not valid; use one of 8, 4"):
         NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "quantized_draft", "bits": 3}, 4)
     with pytest.raises(ValueError, match="method.draft_vocab_from='freq' is not valid; use one of text, ids"):
         NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "combined", "neural": "quantized_draft",
                                                                   "draft_vocab_from": "freq"}, 4)
+    with pytest.raises(ValueError, match="method.kv_cache='mine' is not valid; use one of own, target"):
+        NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "quantized_draft", "kv_cache": "mine"}, 4)
 
 
 @pytest.mark.slow
@@ -110,7 +147,8 @@ def test_a_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_llama, o
 
 @pytest.mark.full
 @pytest.mark.parametrize("method", [{"name": "combined", "neural": "quantized_draft", "bits": 8},
-                                    {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:8:3"}])
+                                    {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:8:3"},
+                                    {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:8:3", "kv_cache": "target"}])
 def test_the_quantized_draft_combines_with_ngram(tiny_llama, method):
     """As combined's neural drafter (n-gram on a match, else the int8 copy) and as one of an
     adaptive policy's drafters: lossless, and it drafts."""

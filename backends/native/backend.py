@@ -12,8 +12,8 @@ from bench.methods import knobs, specsweep_overrides, synthetic_rates
 from ..cpu_probe import cpu_identity
 from . import kernels
 from .adaptive import AdaptiveDrafter
-from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NoDrafter, SyntheticDrafter,
-                       ngram_drafter)
+from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NoDrafter, SharedCacheDrafter,
+                       SyntheticDrafter, ngram_drafter)
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate, margins_across_shapes, max_len_for, setup
 from .scheduler import serve
@@ -93,6 +93,7 @@ def _load(path: str, dtype: str, device: str):
 
 
 DRAFT_VOCAB_FROM = ("text", "ids")  # method.draft_vocab_from: which ids a quantized draft's draft_vocab keeps
+KV_CACHES = ("own", "target")  # method.kv_cache: whose KV cache a quantized draft reads and writes
 _RANKINGS: dict[str, list[int]] = {}  # model -> its tokens ranked by use in offline text: tokenized once a process
 
 
@@ -104,6 +105,8 @@ def _quantized_knobs(method: dict) -> dict:
     if q["draft_vocab_from"] not in DRAFT_VOCAB_FROM:
         raise ValueError(f"method.draft_vocab_from={q['draft_vocab_from']!r} is not valid; use one of "
                          f"{', '.join(DRAFT_VOCAB_FROM)}")
+    if q["kv_cache"] not in KV_CACHES:
+        raise ValueError(f"method.kv_cache={q['kv_cache']!r} is not valid; use one of {', '.join(KV_CACHES)}")
     return q
 
 
@@ -250,9 +253,12 @@ class NativeBackend(Backend):
             head_ids = self._draft_vocab_ids(vocab, q["draft_vocab_from"]) if vocab else None
             if head_ids is not None:
                 vocab_note = f", draft vocabulary = the {vocab} token ids most frequent in offline text"
-            return ModelDrafter(quantized_copy(self.model, q["bits"], head_ids), k,
-                                f"the target's own weights at int{q['bits']} (weight-only){vocab_note}", vocab,
-                                vocab_ids=head_ids)
+            copy = quantized_copy(self.model, q["bits"], head_ids)
+            label = f"the target's own weights at int{q['bits']} (weight-only){vocab_note}"
+            if q["kv_cache"] == "target":
+                return SharedCacheDrafter(self.model, k, label + ", reading the target's KV cache", draft=copy,
+                                          vocab_limit=vocab, vocab_ids=head_ids)
+            return ModelDrafter(copy, k, label, vocab, vocab_ids=head_ids)
         if name == "layer_skip":
             skip = sorted(set(m.get("skip_layers") or []))
             bad = [i for i in skip if not 0 <= i < n_layers]
@@ -380,10 +386,10 @@ class NativeBackend(Backend):
             return (chains, note, probs) if with_probs else (chains, note)
         if isinstance(d, ModelDrafter):
             model, layers, note = d.model, None, "exact: the draft keeps its own cache, so it only ever sees the true prefix"
-        elif isinstance(d, LayerSkipDrafter):
+        elif isinstance(d, SharedCacheDrafter):
             model, layers = d.model, d.layers
-            note = ("approximate: teacher-forced through the kept layers only; the engine's drafts also see the full "
-                    "model's KV for positions before each cycle")
+            note = ("approximate: teacher-forced through the drafting network's own layers only; the engine's drafts "
+                    "read the target's KV for positions before each cycle")
         else:
             return None
         out, probs = [], []

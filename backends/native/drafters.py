@@ -1,6 +1,7 @@
 """Drafters for the native engine. Each proposes up to k tokens per active row and learns
-what was accepted. A drafter never touches the target's KV cache except the self-speculative
-ones (layer skip), which by design share it: the verify pass rewrites every slot they wrote.
+what was accepted. A drafter never touches the target's KV cache except those that share it by
+design (SharedCacheDrafter: layer skip, a quantized self-draft with kv_cache=target): the verify
+pass rewrites every slot they wrote.
 """
 from __future__ import annotations
 
@@ -187,29 +188,56 @@ class ModelDrafter(Drafter):
         self.draft_len.pop(row, None)
 
 
-class LayerSkipDrafter(Drafter):
-    """Self-speculation: the target itself with some layers skipped drafts, and the full target
-    verifies. It shares the target's KV cache: drafting writes only slots at or after the row's
-    pending position, all of which the verify pass then rewrites with full-model values."""
+class SharedCacheDrafter(Drafter):
+    """A drafter that reads and writes the target's own KV cache: the target itself with layers
+    skipped (self-speculation, LayerSkipDrafter), or a copy of the target that holds the same
+    cache layout (a quantized self-draft with method.kv_cache=target). Drafting writes only slots
+    at or after the row's pending position, all of which the verify pass then rewrites with the
+    full model's values, so there is no draft prefill and no catch-up: each cycle's drafts read
+    the target's KV for every earlier position (which a copy's own forward would only approximate)."""
 
-    def __init__(self, target: Transformer, k: int, layers: list[int], label: str, vocab_limit: int | None = None):
-        self.model, self.k, self.layers, self.label, self.vocab_limit = target, k, layers, label, vocab_limit
+    def __init__(self, target: Transformer, k: int, label: str, draft: Transformer | None = None,
+                 layers: list[int] | None = None, vocab_limit: int | None = None, vocab_ids: torch.Tensor | None = None):
+        self.target, self.k, self.label, self.layers, self.vocab_limit = target, k, label, layers, vocab_limit
+        self.model = target if draft is None else draft  # the network that drafts
+        self.vocab_ids = vocab_ids  # the target id of each row of the drafting network's head, where reordered
+
+    def setup(self, max_batch: int, max_len: int):
+        self._share()
+
+    def _share(self):
+        """Point a separate drafting network at the target's cache (set up, or grown, before this)."""
+        d, t = self.model, self.target
+        if d is not t and d.caches is not t.caches:
+            d.caches, d.max_batch, d.max_len = t.caches, t.max_batch, t.max_len
+            if d.compile_mode:
+                d._mark_static()
 
     def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
         k = self.width(k)
+        self._share()
         dev = self.model.embed.weight.device
         rows_t = torch.tensor(rows, device=dev)
         toks_t = torch.tensor([[s[-1]] for s in seqs], device=dev)
         pos_t = torch.tensor([[len(s) - 1] for s in seqs], device=dev)
         out_toks, out_probs = [], []
         for _ in range(k):
-            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, self.layers)
+            nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, self.layers,
+                                     self.vocab_ids)
             out_toks.append(nxt)
             out_probs.append(probs)
             toks_t, pos_t = nxt[:, None], pos_t + 1
         drafts = torch.stack(out_toks, 1).tolist()
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
         return Proposal(drafts, probs)
+
+
+class LayerSkipDrafter(SharedCacheDrafter):
+    """Self-speculation: the target itself with some layers skipped drafts, and the full target
+    verifies, in the target's own cache."""
+
+    def __init__(self, target: Transformer, k: int, layers: list[int], label: str, vocab_limit: int | None = None):
+        super().__init__(target, k, label, layers=layers, vocab_limit=vocab_limit)
 
 
 def _full_vocab_probs(probs: torch.Tensor | None, head, vocab_size: int):

@@ -10,8 +10,9 @@ ms from bfloat16, and the float32 matrix 0.32 ms). The draft's activations are c
 for each product and back; its norms, attention and KV cache stay at the target's dtype.
 
 The copy shares the target's embedding table (a lookup, not a product), norms and rotary tables;
-its matrix weights are new, quantized, tensors, and it keeps a KV cache of its own (a
-Transformer's caches live on the Transformer, not on its layers)."""
+its matrix weights are new, quantized, tensors. Its KV cache (a Transformer's caches live on the
+Transformer, not on its layers) is the target's by default (method.kv_cache=target:
+drafters.SharedCacheDrafter points it there), or one of its own (kv_cache=own: ModelDrafter)."""
 from __future__ import annotations
 
 import copy
