@@ -58,7 +58,6 @@ def test_a_quantized_self_draft_in_the_targets_cache_never_prefills_and_stays_lo
     one token a row: no prefill of its own, no catch-up."""
     from backends.native.model import Transformer
 
-    ids = None
     rates = {}
     for kv in ("own", "target"):
         b = NativeBackend({"path": str(tiny_llama)}, {"name": "quantized_draft", "bits": 8, "kv_cache": kv},
@@ -148,10 +147,11 @@ def test_a_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_llama, o
 @pytest.mark.full
 @pytest.mark.parametrize("method", [{"name": "combined", "neural": "quantized_draft", "bits": 8},
                                     {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:8:3"},
-                                    {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:8:3", "kv_cache": "target"}])
+                                    {"name": "adaptive", "policy": "match:ngram+quantized_draft:1:8:3", "kv_cache": "own"}])
 def test_the_quantized_draft_combines_with_ngram(tiny_llama, method):
     """As combined's neural drafter (n-gram on a match, else the int8 copy) and as one of an
-    adaptive policy's drafters: lossless, and it drafts."""
+    adaptive policy's drafters (in the target's cache, and in one of its own, fed lazily): lossless,
+    and it drafts."""
     b = NativeBackend({"path": str(tiny_llama)}, method, num_speculative_tokens=3)
     ids = [b.tokenize("the quick brown fox jumps over the quick brown fox"), b.tokenize("import os\nimport sys\n")]
     base = b.generate(ids, Sampling(), 20, speculative=False)
