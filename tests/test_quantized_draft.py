@@ -158,3 +158,24 @@ def test_the_quantized_draft_combines_with_ngram(tiny_llama, method):
     spec = b.generate(ids, Sampling(), 20, speculative=True)
     assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
     assert sum(c["drafted"] for c in spec.cycles) > 0 and sum(c["accepted"] for c in spec.cycles) > 0
+
+
+def test_traces_of_a_self_draft_in_the_targets_cache_predict_each_cycles_first_draft(tiny_llama, monkeypatch):
+    """draft_predictions for kv_cache=target: the copy's next token at every position over the
+    target's KV of the true prefix. At k = 1 every draft is a cycle's first, so each one the engine
+    made is the prediction at its position (the traces' claim, which the copy's own forward over
+    the prefix, as with kv_cache=own, would not meet)."""
+    b = NativeBackend({"path": str(tiny_llama)}, {"name": "quantized_draft", "bits": 4}, num_speculative_tokens=1)
+    ids = b.tokenize("the quick brown fox jumps over the lazy dog and")
+    made, propose = [], type(b.drafter).propose
+
+    def spy(self, rows, seqs, *a, **kw):
+        out = propose(self, rows, seqs, *a, **kw)
+        made.extend((len(s), row[0]) for s, row in zip(seqs, out.tokens) if row)
+        return out
+
+    monkeypatch.setattr(type(b.drafter), "propose", spy)
+    gen = b.generate([ids], Sampling(), 24, speculative=True).requests[0].output_token_ids
+    preds, note = b.draft_predictions([ids + gen])
+    assert note.startswith("first draft of each cycle exact") and len(preds[0]) == len(ids) + len(gen)
+    assert len(made) > 5 and all(preds[0][n] == tok for n, tok in made), [(n, tok, preds[0][n]) for n, tok in made]

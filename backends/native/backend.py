@@ -20,7 +20,7 @@ from .scheduler import serve
 from .loading import load_model
 from .quantized import BITS, QuantizedWeight, quantized_bytes, quantized_copy
 from .config import NativeConfig
-from .model import Transformer
+from .model import Transformer, write_kv
 from .sampling import SamplingParams
 
 METHODS = ("autoregressive", "ngram", "draft_model", "quantized_draft", "layer_skip", "eagle", "eagle3", "p_eagle", "mtp", "combined",
@@ -384,6 +384,12 @@ class NativeBackend(Backend):
             note = ("exact: the head's k-token chain at every position, teacher-forced over the true prefix by the "
                     "unrolled forward that the engine's drafts are tested against")
             return (chains, note, probs) if with_probs else (chains, note)
+        if isinstance(d, SharedCacheDrafter) and d.model is not d.target:
+            out, probs = self._shared_cache_predictions(d, sequences)
+            note = ("first draft of each cycle exact: the copy's next token at every position, reading the target's KV "
+                    "for every earlier position as the engine's first draft does; a cycle's later drafts read the copy's "
+                    "own KV for the positions drafted before them in that cycle, where these read the target's")
+            return (out, note, probs) if with_probs else (out, note)
         if isinstance(d, ModelDrafter):
             model, layers, note = d.model, None, "exact: the draft keeps its own cache, so it only ever sees the true prefix"
         elif isinstance(d, SharedCacheDrafter):
@@ -409,6 +415,31 @@ class NativeBackend(Backend):
             out.append(pred)
             probs.append(prob)
         return (out, note, probs) if with_probs else (out, note)
+
+    def _shared_cache_predictions(self, d: SharedCacheDrafter, sequences):
+        """Per sequence, the copy's greedy next token (and its probability) at every position, one
+        token at a time over the target's KV of the true prefix: the target fills its cache with the
+        whole sequence, and after each of the copy's steps the slot it wrote is given back the
+        target's values, so every step reads the target's KV for every earlier position."""
+        t, m, row = d.target, d.model, torch.tensor([0], device=self.cfg.device)
+        out, probs = [], []
+        for seq in sequences:
+            t.setup_cache(1, len(seq) + 1)
+            d._share()
+            write_kv(t, seq, 0, 0)
+            saved = [(c.k[0, : len(seq)].clone(), c.v[0, : len(seq)].clone()) for c in t.caches]
+            pred, prob = [-1], [float("nan")]
+            for p in range(len(seq) - 1):
+                logits = m(torch.tensor([[seq[p]]], device=self.cfg.device), torch.tensor([[p]], device=self.cfg.device),
+                           rows=row, vocab_limit=d.vocab_limit)
+                ids, pr = greedy_with_prob(logits[0])
+                pred += (ids if d.vocab_ids is None else d.vocab_ids[ids]).tolist()
+                prob += pr.tolist()
+                for c, (k, v) in zip(t.caches, saved):  # the target's KV back where the copy wrote its own
+                    c.k[0, p], c.v[0, p] = k[p], v[p]
+            out.append(pred)
+            probs.append(prob)
+        return out, probs
 
     def _head_chains(self, head, sequences):
         """Per sequence, a [len, k] array: row t is the chain the head drafts for tokens t, t+1, ...
