@@ -38,8 +38,9 @@ def _pids():
 
 def _no_new_worker(before: set, within_s: float = 15.0) -> set:
     """The worker processes not in `before` that are still there after within_s seconds (a stopped
-    engine's processes can take a moment to go: a cold CI run once saw one more worker process just
-    after a refused start than before it, not reproduced); a leaked worker stays and is returned."""
+    engine's processes can take a moment to go; a cold CI run once saw one more worker process
+    after a refused start than before it, which was another test file's engine while pytest 9.2
+    split the file groups: tests/test_test_tiers.py); a leaked worker stays and is returned."""
     deadline = time.monotonic() + within_s
     while (extra := _pids() - before) and time.monotonic() < deadline:
         time.sleep(0.5)

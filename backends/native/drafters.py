@@ -25,9 +25,13 @@ def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None, vocab
     vocabulary (zero outside the draft vocabulary), or None when greedy. vocab_ids: the target
     id of each of the model's output rows (a head reordered to a draft vocabulary), else the
     rows are the target's ids."""
-    last = torch.zeros(toks.shape, dtype=torch.bool, device=toks.device)
-    last[:, -1] = True  # a first step may carry a row's tail: the logits of its last token only
+    last = None  # one token a row (every step but a catch-up): no mask, whose boolean index syncs a GPU
+    if toks.shape[1] > 1:  # a first step may carry a row's tail: the logits of its last token only
+        last = torch.zeros(toks.shape, dtype=torch.bool, device=toks.device)
+        last[:, -1] = True
     logits = model(toks, pos, rows=rows, layers=layers, vocab_limit=vocab_limit, logits_for=last)
+    if last is None:
+        logits = logits[:, -1]
     nxt, probs = select(logits, sp, gen)
     if vocab_ids is not None:
         ids = vocab_ids[: logits.shape[-1]]
