@@ -26,13 +26,21 @@ def _summaries(sweep: Path):
     return {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/summary.json")}
 
 
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory):
+    """The smoke preset (docs/ci.md; two methods on code_edit at batch 1 and 2, k=3, 16 tokens) on
+    the default model, once for the module, with one shared baseline per batch size. The gate's
+    job keys leave the baseline mode out, so results/baselines/ci_smoke.json matches its jobs."""
+    root = tmp_path_factory.mktemp("smoke")
+    r = specsweep(f"results_dir={root}", "+preset=smoke", "sweep_name=ci", "baseline=shared")
+    return r, root
+
+
 @pytest.mark.slow
-def test_small_real_sweep_end_to_end(tmp_path):
-    r = specsweep(f"results_dir={tmp_path}", "sweep_name=e2e", "method=ngram,layer_skip", "workload=code_edit",
-                  "batch_size=1,2", "num_prompts=2", "max_new_tokens=10", "repeats=2", "num_speculative_tokens=3",
-                  "baseline=shared")
+def test_small_real_sweep_end_to_end(smoke_sweep):
+    r, root = smoke_sweep
     assert r.returncode == 0, r.stderr[-3000:]
-    sweep = tmp_path / "e2e"
+    sweep = root / "ci"
     idx = pd.read_parquet(sweep / "index.parquet")
     assert INDEX_COLUMNS <= set(idx.columns)
     assert pd.read_csv(sweep / "index.csv").shape[0] == 4
@@ -62,6 +70,53 @@ def test_small_real_sweep_end_to_end(tmp_path):
         assert (sweep / "report" / f"{png}.png").stat().st_size > 1000
     assert "| method |" in (sweep / "report" / "summary.md").read_text()
     assert "speedup" in r.stdout and "ngram" in r.stdout  # the printed table
+
+
+@pytest.mark.slow
+def test_the_smoke_sweep_passes_the_ci_gate_and_feeds_the_oracle_and_both_notebooks(smoke_sweep):
+    """What a CI job runs after its tests (docs/ci.md): the smoke sweep gated against the committed
+    baseline, with the speed checks loosened as on a shared machine (here the other test worker
+    runs beside it) and acceptance, losslessness and job status at the defaults; then the oracle
+    pipeline on the same sweep (traces from a job's baseline generations, a cost model fitted on
+    its measured cycles, the simulator) and both notebooks executed headless on what it wrote."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    r, root = smoke_sweep
+    assert r.returncode == 0, r.stderr[-3000:]
+    sweep, repo = root / "ci", Path(__file__).resolve().parent.parent
+
+    def run(module, *args):
+        out = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                             timeout=900, cwd=repo)
+        assert out.returncode == 0, (module, out.stdout[-3000:], out.stderr[-3000:])
+        return out.stdout
+
+    table = run("bench.gate", sweep, "--baseline", repo / "results/baselines/ci_smoke.json",
+                "--speedup-tolerance", 0.3, "--throughput-tolerance", 0.7)
+    assert "## specsweep gate: pass" in table and "| FAIL |" not in table
+    (job,) = sorted(sweep.glob("native-*-ngram-code_edit-b1-*"))
+    traces = root / "traces" / "ci_code_edit.jsonl"
+    traces.parent.mkdir()
+    run("bench.traces", job, "--methods", "ngram", "layer_skip", "--out", traces)
+    rows = [json.loads(line) for line in traces.read_text().splitlines()]
+    assert len(rows) == 2 and all({"acc_ngram", "acc_layer_skip"} <= set(row) for row in rows)
+    run("bench.fitcost", sweep, "--out", root / "cost.yaml")
+    run("bench.oracle", traces, "--cost-model", root / "cost.yaml", "--batch-sizes", 1, 2, 4, "--out", root / "oracle")
+    assert any((root / "oracle").iterdir())
+    notebooks = {"analysis.ipynb": {"SPECSWEEP_RESULTS": str(sweep)},
+                 "oracle.ipynb": {"SPECSWEEP_TRACES": str(traces.parent), "SPECSWEEP_COST_MODEL": str(root / "cost.yaml")}}
+    for name, env in notebooks.items():
+        nb = nbformat.read(repo / "notebooks" / name, as_version=4)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(repo)}}).execute()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "error"]
+        assert not errors, (name, errors)
 
 
 def test_a_sweep_is_estimated_from_the_pace_of_earlier_jobs_with_the_same_key(tmp_path, monkeypatch):
