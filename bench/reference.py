@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 PAGES = {"config": ROOT / "docs" / "reference" / "config.md", "cli": ROOT / "docs" / "reference" / "cli.md"}
 COMMANDS = ("specsweep", "specsweep-report", "specsweep-gate", "specsweep-trace", "specsweep-fit-cost",
-            "specsweep-oracle", "specsweep-profile", "specsweep-import", "specsweep-train-eagle", "specsweep-install-vllm")
+            "specsweep-oracle", "specsweep-profile", "specsweep-import", "specsweep-versus", "specsweep-train-eagle",
+            "specsweep-install-vllm")
 
 
 def _comments(cls) -> dict[str, str]:

@@ -128,3 +128,36 @@ def test_bootstrap_interval_is_expanded_for_few_units_and_covers_near_its_level(
     assert lo == pytest.approx(np.percentile(boots, 2.5), abs=0.005)
     assert hi == pytest.approx(np.percentile(boots, 97.5), abs=0.005)
     assert all(math.isnan(v) for v in bootstrap_interval(boots, 1))  # one unit: nothing to resample
+
+
+def test_a_workload_of_parts_in_fixed_shares_gets_a_stratified_speedup_interval():
+    """A mixed workload fixes its parts' shares (half copying, half free text): a rerun draws new
+    prompts within each part, never another share. Over 300 seeded reruns of 8 + 8 pairs whose parts
+    speed up 2.0x and 1.2x, the stratified interval covers the true speedup near 95% and is
+    narrower than the plain cluster bootstrap, which also resamples the shares and so covers
+    nearly always. One stratum is the plain bootstrap, draw for draw; the labels come from the
+    categories of each pair's requests."""
+    import pandas as pd
+
+    from bench.metrics import paired_speedup
+    from bench.metrics.job import pair_strata
+
+    rng = np.random.default_rng(3)
+    labels = ["copy"] * 8 + ["text"] * 8
+    true = 16 / (8 / 2.0 + 8 / 1.2)  # equal baseline time per pair, equal tokens
+    covered, widths = {"plain": 0, "strata": 0}, {"plain": [], "strata": []}
+    for seed in range(300):
+        ratio = np.r_[rng.normal(2.0, 0.15, 8), rng.normal(1.2, 0.05, 8)]
+        base_s = np.ones(16)
+        for name, strata in (("plain", None), ("strata", labels)):
+            s = paired_speedup([64] * 16, base_s / ratio, [64] * 16, base_s, seed=seed, strata=strata)
+            covered[name] += s["speedup_ci_low"] <= true <= s["speedup_ci_high"]
+            widths[name].append(s["speedup_ci_high"] - s["speedup_ci_low"])
+    assert covered["plain"] / 300 > 0.985 and 0.9 <= covered["strata"] / 300 <= 0.99, covered
+    assert np.median(widths["strata"]) < 0.5 * np.median(widths["plain"])
+    one = paired_speedup([10] * 6, [0.5, 1, 0.5, 0.4, 0.6, 0.5], [10] * 6, [1.0] * 6, strata=["chat"] * 6)
+    assert one == paired_speedup([10] * 6, [0.5, 1, 0.5, 0.4, 0.6, 0.5], [10] * 6, [1.0] * 6)
+    p = pd.DataFrame({"repeat": [0, 0, 1], "batch": [0, 1, 0]})
+    req = pd.DataFrame({"repeat": [0, 0, 0, 1], "batch": [0, 1, 1, 0], "category": ["chat", "code_edit", "chat", "chat"]})
+    assert pair_strata(p, req) == ["chat", "chat+code_edit", "chat"]
+    assert pair_strata(p, req.assign(category="chat")) is None

@@ -188,13 +188,21 @@ def speedup_with_interval(spec_throughputs, base_throughputs, n_boot: int = 2000
     return {"speedup": point, "speedup_ci_low": float(lo), "speedup_ci_high": float(hi)}
 
 
-def paired_speedup(spec_tokens, spec_s, base_tokens, base_s, n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+def paired_speedup(spec_tokens, spec_s, base_tokens, base_s, n_boot: int = 2000, seed: int = 0,
+                   strata=None) -> dict[str, float]:
     """Paired design: element i of each array is one batch (same requests, same sampling seed),
     measured once with speculation and once without, back to back. speedup = (sum spec tokens /
     sum spec seconds) / (sum baseline tokens / sum baseline seconds) over those batches; its 95%
     interval is a cluster bootstrap over batches, each resample keeping a batch's two
     measurements together, so load that hits both arms of a pair cancels (expanded for few pairs:
-    bootstrap_interval). With one pair there is no interval (NaN)."""
+    bootstrap_interval). With one pair there is no interval (NaN).
+
+    `strata` (one label per pair, e.g. the prompt categories of a workload made of parts in fixed
+    shares) makes it a stratified bootstrap: each resample draws every stratum's pairs from that
+    stratum alone, so the parts keep the shares the workload fixed by design instead of drifting
+    from resample to resample (which would widen the interval with a spread that no rerun of the
+    same workload can show); the expansion then counts n - strata + 1 units. One stratum is the
+    plain bootstrap, draw for draw."""
     st, ss, bt, bs = (np.asarray(v, float) for v in (spec_tokens, spec_s, base_tokens, base_s))
     n = len(st)
     if not n or ss.sum() <= 0 or bs.sum() <= 0:
@@ -202,10 +210,55 @@ def paired_speedup(spec_tokens, spec_s, base_tokens, base_s, n_boot: int = 2000,
     point = float((st.sum() / ss.sum()) / (bt.sum() / bs.sum()))
     if n < 2:
         return {"speedup": point, "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "speedup_pairs": n}
-    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    idx, units = cluster_resamples(n, n_boot, seed, strata)
     boots = (st[idx].sum(1) / ss[idx].sum(1)) / (bt[idx].sum(1) / bs[idx].sum(1))
-    lo, hi = bootstrap_interval(boots, n)
+    lo, hi = bootstrap_interval(boots, units)
     return {"speedup": point, "speedup_ci_low": float(lo), "speedup_ci_high": float(hi), "speedup_pairs": n}
+
+
+def versus(a: pd.DataFrame, b: pd.DataFrame, n_boot: int = 2000, seed: int = 0, strata=None) -> dict[str, float]:
+    """Method A against method B on the same requests, each measured paired against its own
+    baseline: ratio = A's paired speedup / B's, both over the batches the two share (the same
+    (repeat, batch): the same requests and seeds). a and b hold one row per batch, aligned, with
+    tokens_spec, wall_s_spec, tokens_base, wall_s_base. Its 95% interval is a cluster bootstrap
+    that resamples batches jointly for both (a batch's four measurements together), so a prompt
+    that is easy for every method moves both speedups alike and cancels from the ratio, which two
+    separate intervals cannot show (expanded for few batches; stratified as paired_speedup)."""
+    def ratio(x, idx=None):
+        cols = [np.asarray(x[c], float) for c in ("tokens_spec", "wall_s_spec", "tokens_base", "wall_s_base")]
+        if idx is None:
+            return (cols[0].sum() / cols[1].sum()) / (cols[2].sum() / cols[3].sum())
+        return (cols[0][idx].sum(-1) / cols[1][idx].sum(-1)) / (cols[2][idx].sum(-1) / cols[3][idx].sum(-1))
+
+    n = len(a)
+    if n != len(b):
+        raise ValueError(f"versus: {n} batches of A against {len(b)} of B; align them on (repeat, batch) first")
+    out = {"speedup_a": math.nan, "speedup_b": math.nan, "ratio": math.nan, "ratio_ci_low": math.nan,
+           "ratio_ci_high": math.nan, "pairs": n}
+    if not n:
+        return out
+    out.update(speedup_a=float(ratio(a)), speedup_b=float(ratio(b)))
+    out["ratio"] = out["speedup_a"] / out["speedup_b"]
+    if n >= 2:
+        idx, units = cluster_resamples(n, n_boot, seed, strata)
+        out["ratio_ci_low"], out["ratio_ci_high"] = bootstrap_interval(ratio(a, idx) / ratio(b, idx), units)
+    return out
+
+
+def cluster_resamples(n: int, n_boot: int, seed: int, strata=None) -> tuple[np.ndarray, int]:
+    """Indices of n_boot bootstrap resamples of n units (an (n_boot, n) array) and the number of
+    units the interval's expansion should count: plain resampling of all n, or, with `strata`
+    (a label per unit, at least two distinct), each stratum resampled within itself at its own
+    size, counted as n - strata + 1 (one degree of freedom spent on each stratum's mean)."""
+    rng = np.random.default_rng(seed)
+    labels = None if strata is None else np.asarray([str(x) for x in strata])
+    if labels is None or len(set(labels)) < 2:
+        return rng.integers(0, n, size=(n_boot, n)), n
+    if len(labels) != n:
+        raise ValueError(f"strata: {len(labels)} labels for {n} units")
+    groups = [np.flatnonzero(labels == g) for g in sorted(set(labels))]
+    idx = np.concatenate([g[rng.integers(0, len(g), size=(n_boot, len(g)))] for g in groups], axis=1)
+    return idx, max(2, n - len(groups) + 1)
 
 
 def pair_speedups(pairs: pd.DataFrame) -> list[dict]:

@@ -65,7 +65,8 @@ def speed(c: dict, got: "Measured", p: pd.DataFrame | None) -> dict:
     if not got.speculative:
         return {**s, "speedup": 1.0, "speedup_ci_low": 1.0, "speedup_ci_high": 1.0}
     if len(p):
-        return {**s, **paired_speedup(p.tokens_spec, p.wall_s_spec, p.tokens_base, p.wall_s_base, seed=c["seed"])}
+        return {**s, **paired_speedup(p.tokens_spec, p.wall_s_spec, p.tokens_base, p.wall_s_base, seed=c["seed"],
+                                      strata=pair_strata(p, got.spec.requests))}
     return {**s, **speedup_with_interval(spec_tp, throughputs(got.baseline.batches), seed=c["seed"])}
 
 
@@ -154,6 +155,18 @@ def throughputs(batches: list[dict]) -> list[float]:
         tok, wall = per.get(b["repeat"], (0, 0.0))
         per[b["repeat"]] = (tok + b["tokens"], wall + b["wall_s"])
     return [t / w if w > 0 else math.nan for t, w in per.values()]
+
+
+def pair_strata(p: pd.DataFrame, requests: pd.DataFrame) -> list[str] | None:
+    """Each pair's stratum for the speedup's bootstrap: the prompt categories its batch holds
+    (a mixed workload's parts, in the shares it fixes), None where the requests carry none or
+    every batch holds the same ones."""
+    if not len(requests) or not {"repeat", "batch", "category"} <= set(requests.columns):
+        return None
+    if requests.category.nunique() < 2:
+        return None
+    cats = requests.groupby(["repeat", "batch"]).category.agg(lambda c: "+".join(sorted(set(map(str, c)))))
+    return [cats.get((int(r), int(b)), "") for r, b in zip(p.repeat, p.batch)]
 
 
 def pairs(base_batches: list[dict], spec_batches: list[dict], first: dict | None = None) -> pd.DataFrame:
