@@ -470,17 +470,26 @@ def test_draft_prob_in_a_trace_file_is_checked(tmp_path):
     assert t.matched["m"].tolist() == [0, 2, 1] and t.prompt_token_ids == [1, 2]
 
 
-def test_conf_is_refused_by_the_engines_adaptive_method_and_says_why():
-    """The engine's adaptive drafter gives a policy the lookups' proposal lengths only, not the
-    drafter's probabilities conf reads: a configuration error naming the kinds it can run."""
+def test_conf_runs_in_the_engine_where_its_last_drafter_scores_its_drafts():
+    """The engine's adaptive drafter runs conf (it reads the lookup's match length before each
+    cycle, and the drafter stops at the threshold as it drafts); a lookup named last has no
+    probabilities to hold to a threshold: a configuration error naming the drafters that do. The
+    simulator still needs draft_prob in the traces it replays."""
     from types import SimpleNamespace
 
     from backends.native.backend import adaptive_policy
+    from bench.oracle.lanes import Lanes
 
-    with pytest.raises(ValueError, match=r"reads the lookup's match length or the drafter's probabilities.*match, ema"):
-        adaptive_policy({"policy": "conf:ngram+draft_model:1:8:4:0.3"})
+    policy, context = adaptive_policy({"policy": "conf:ngram+draft_model:1:8:4:0.3"})
+    assert policy.stop_below() == 0.3 and context is None
+    assert policy.choose(policy.begin(None, None), 0, [4, None], [2, None]) == (0, 8, (True, False))
+    assert policy.choose(policy.begin(None, None), 0, [0, None], [0, None]) == (1, 4, (True, True))
+    assert Policy.parse("match:ngram+draft_model:1:8:4").stop_below() is None
+    with pytest.raises(ValueError, match=r"the lookup ngram has none of; name a model or head last \(draft_model, "):
+        adaptive_policy({"policy": "conf:ngram:4:0.3"})
+    pol = Policy.parse("conf:eagle:4:0.3")
     with pytest.raises(ValueError, match="request 0 has no draft_prob of \\['eagle'\\]"):
-        Policy.parse("conf:eagle:4:0.3").begin(SimpleNamespace(id=0, prompt_len=3, drafted={}), None)
+        pol.lanes_state(Lanes([SimpleNamespace(id=0, prompt_len=3, drafted={})], [None], pol.methods))
 
 
 def test_a_tree_cycle_verifies_both_drafts_keeps_the_longer_and_charges_each_drafter_once():

@@ -70,6 +70,69 @@ def test_goodput_rule_prices_its_choices_with_a_cost_model_and_may_switch_off(ti
     assert "draft_model" not in sources and "off" in sources  # never worth its price here
 
 
+def test_confidence_rule_drafts_while_the_drafter_is_sure_and_its_choices_are_the_traces_own(tiny_llama):
+    """conf:NEURAL:KMAX:THR in the engine: the drafter stops at its first draft it gives a
+    probability below THR (threshold 0: never, the fixed rule's drafts; 1: always, plain steps),
+    output stays the baseline's, and with KMAX 1 each cycle drafts exactly where the teacher-forced
+    trace's draft_prob (what the simulator reads) reaches THR: the engine adds nothing to the rule."""
+    import numpy as np
+
+    b = _backend(tiny_llama, "conf:quantized_draft:3:0", bits=8)
+    ids = [b.tokenize(TEXTS[0])]
+    base = b.generate(ids, Sampling(), 32, speculative=False)
+    never = b.generate(ids, Sampling(), 32, speculative=True)
+    fixed = NativeBackend({"path": str(tiny_llama)}, {"name": "quantized_draft", "bits": 8}, num_speculative_tokens=3)
+    fixed_out = fixed.generate(ids, Sampling(), 32, speculative=True)
+    assert [c["drafted"] for c in never.cycles] == [c["drafted"] for c in fixed_out.cycles]
+    assert [c["accepted"] for c in never.cycles] == [c["accepted"] for c in fixed_out.cycles]
+    always = _backend(tiny_llama, "conf:quantized_draft:3:1", bits=8).generate(ids, Sampling(), 32, speculative=True)
+    assert all(c["drafted"] == 0 for c in always.cycles)
+    for out in (never, always):
+        assert out.requests[0].output_token_ids == base.requests[0].output_token_ids
+    # KMAX 1: draft or not, by the trace's probability of the cycle's first draft (exact)
+    gen = base.requests[0].output_token_ids
+    _, _, probs = fixed.draft_predictions([ids[0] + gen], with_probs=True)
+    P = len(ids[0])
+    first = np.asarray(probs[0], dtype=float)[P + 1 : P + len(gen)]  # the cycle after gen[i] drafts gen[i + 1]
+    v = np.sort(first[np.isfinite(first)])  # a threshold between two neighbours near the median, no near-tie
+    m = next(j for j in sorted(range(1, len(v)), key=lambda j: abs(j - len(v) // 2)) if v[j] - v[j - 1] > 2e-4)
+    thr = float(v[m - 1] + v[m]) / 2
+    one = _backend(tiny_llama, f"conf:quantized_draft:1:{thr}", bits=8).generate(ids, Sampling(), 32, speculative=True)
+    assert one.requests[0].output_token_ids == gen
+    pos, seen = 0, set()
+    for c in one.cycles:
+        assert c["drafted"] == int(first[pos] >= thr), (pos, first[pos], thr, c)
+        seen.add(c["drafted"])
+        pos += c["emitted"]
+    assert seen == {0, 1}
+
+
+def test_confidence_rule_over_a_lookup_and_a_drafter_reads_the_lookups_match_length(tiny_llama):
+    """conf:ngram+NEURAL:M:KC:KMAX:THR: n-gram drafts where the context's suffix matched at least M
+    tokens earlier in the sequence (as bench/ngram.py finds it), the drafter under its threshold
+    elsewhere; lossless at batch 1 and 3."""
+    from bench.methods import knobs
+    from bench.ngram import ngram_lookup
+
+    for batch in (1, 3):
+        b = _backend(tiny_llama, "conf:ngram+quantized_draft:2:4:3:0.2", bits=8)
+        ids = [b.tokenize(t) for t in TEXTS][:batch]
+        base = b.generate(ids, Sampling(), 32, speculative=False)
+        spec = b.generate(ids, Sampling(), 32, speculative=True)
+        assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+        assert {"ngram", "quantized_draft"} <= {c["draft_source"] for c in spec.cycles}
+    seq, pos = ids[0], 0
+    gen = base.requests[0].output_token_ids
+    b1 = _backend(tiny_llama, "conf:ngram+quantized_draft:2:4:3:0.2", bits=8).generate(ids[:1], Sampling(), 32,
+                                                                                       speculative=True)
+    kn = knobs("ngram", {})
+    for c in b1.cycles:  # the cycle after gen[pos] looks up the context that ends there
+        _, n = ngram_lookup(seq + gen[: pos + 1], 4, kn["min_ngram"], kn["max_ngram"], kn["prefer_recent"],
+                            kn["min_hits"], with_match_len=True)
+        assert (c["draft_source"] == "ngram") == (n >= 2), (pos, n, c)
+        pos += c["emitted"]
+
+
 def _specsweep(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "bench.cli", *args], capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -217,3 +217,37 @@ def test_head_errors_name_the_problem(tiny, tiny_llama, tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match="hidden size"):
         load_head(tmp_path / "e3", model, replace(other, dim=other.dim * 2), "eagle3")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "p_eagle"])
+def test_a_head_under_a_confidence_threshold_drafts_its_sure_prefix(kind, tiny, monkeypatch):
+    """A confidence rule's threshold (stop_below) on a head: 0 changes nothing, 1 drafts nothing,
+    one in between proposes each cycle's drafts up to the first the head gives a lower probability
+    (a chain head stops drafting there, P-EAGLE's one forward is cut), and output stays the
+    target's."""
+    model, _, args, prompts = tiny
+    head = _eagle3(args, parallel=kind == "p_eagle", std=1.0)
+    sp = SamplingParams()
+    base = [r.tokens for r in generate(model, prompts, 24, sp)[0]]
+
+    def run(threshold):
+        drafter = HeadDrafter(head, model, 4, kind)
+        propose = drafter.propose
+
+        def thresholded(rows, seqs, sp, gen, k=None):
+            return propose(rows, seqs, sp, gen, k, stop_below=threshold)
+
+        drafter.propose = thresholded if threshold is not None else propose
+        out, cycles, _ = generate(model, prompts, 24, sp, drafter=drafter)
+        assert [r.tokens for r in out] == base
+        return [(c["drafted"], c["accepted"]) for c in cycles]
+
+    from backends.native import drafters
+
+    seen, score = [], drafters.draft_confidence
+    monkeypatch.setattr(drafters, "draft_confidence", lambda *a: seen.append(score(*a)) or seen[-1])
+    free = run(None)
+    assert run(0.0) == free and all(d == 4 for d, _ in free)
+    assert all(d == 0 for d, _ in run(1.0))
+    middle = run(float(torch.cat(seen).median()))  # the head's own probabilities: about half below
+    assert all(a <= d <= 4 for d, a in middle) and len({d for d, _ in middle}) > 1

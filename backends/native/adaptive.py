@@ -53,17 +53,20 @@ class AdaptiveDrafter(Drafter):
         most = self.width(k)
         plan = []
         for r, s in zip(rows, seqs):
-            avail = [None] * len(self.subs)
+            avail, matched = [None] * len(self.subs), [None] * len(self.subs)
             for j in self.lookups:
-                avail[j] = len(self.subs[j].lookup(s))
+                proposal, matched[j] = self.subs[j].lookup_match(s)
+                avail[j] = len(proposal)
             pos = len(s) - self.state[r].prompt_len
-            w, k, _ = self.policy.choose(self.state[r].st, pos, avail)
+            w, k, _ = self.policy.choose(self.state[r].st, pos, avail, matched)
             k = min(k, most) if avail[w] is None else min(k, most, avail[w])
             plan.append((w, k))
         tokens, probs, sources = [[] for _ in rows], [None] * len(rows), ["off"] * len(rows)
+        stop = self.policy.stop_below()  # a confidence rule: the drafter stops below it as it drafts
         for w, k in sorted({p for p in plan if p[1] > 0}):
             idx = [i for i, p in enumerate(plan) if p == (w, k)]
-            prop = self.subs[w].propose([rows[i] for i in idx], [seqs[i] for i in idx], sp, gen, k)
+            extra = {} if stop is None or w in self.lookups else {"stop_below": stop}
+            prop = self.subs[w].propose([rows[i] for i in idx], [seqs[i] for i in idx], sp, gen, k, **extra)
             for i, t, q in zip(idx, prop.tokens, prop.probs):
                 tokens[i], probs[i], sources[i] = t[:k], None if q is None else q[:k], self.methods[w]
         for r, (w, _), t in zip(rows, plan, tokens):

@@ -7,7 +7,7 @@ import torch
 
 from bench.backend import (DEFAULT_DRAFT_LENGTH, Backend, BatchOutput, LoadPlan, RequestOutput, ResourceNeed, Sampling,
                            checked_settings)
-from bench.methods import knobs, specsweep_overrides, synthetic_rates
+from bench.methods import is_lookup, knobs, specsweep_overrides, synthetic_rates
 
 from ..cpu_probe import cpu_identity
 from . import kernels
@@ -71,6 +71,10 @@ def adaptive_policy(m: dict):
     if bad:
         raise ValueError(f"method.policy={spec!r} names {', '.join(bad)}; an adaptive policy chooses between "
                          f"{', '.join(ADAPTIVE_DRAFTERS)}")
+    if policy.stop_below() is not None and is_lookup(policy.methods[-1]):
+        raise ValueError(f"method.policy={spec!r}: its threshold is on the probability a drafter gives its drafts, "
+                         f"which the lookup {policy.methods[-1]} has none of; name a model or head last "
+                         f"({', '.join(n for n in ADAPTIVE_DRAFTERS if not is_lookup(n))})")
     if not policy.batch_aware:
         return policy, None
     if not m.get("cost_model"):

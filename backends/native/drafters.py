@@ -20,11 +20,12 @@ from .model import Transformer, prefill_pieces, write_kv
 from .sampling import SamplingParams, select
 
 
-def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None, vocab_ids=None):
+def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None, vocab_ids=None, confidence=None):
     """One drafting forward: the next token per row and its draft distribution over the full
     vocabulary (zero outside the draft vocabulary), or None when greedy. vocab_ids: the target
     id of each of the model's output rows (a head reordered to a draft vocabulary), else the
-    rows are the target's ids."""
+    rows are the target's ids. confidence: a list the drafter's probability of each row's draft
+    is appended to (for a confidence rule's threshold)."""
     last = None  # one token a row (every step but a catch-up): no mask, whose boolean index syncs a GPU
     if toks.shape[1] > 1:  # a first step may carry a row's tail: the logits of its last token only
         last = torch.zeros(toks.shape, dtype=torch.bool, device=toks.device)
@@ -33,6 +34,8 @@ def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None, vocab
     if last is None:
         logits = logits[:, -1]
     nxt, probs = select(logits, sp, gen)
+    if confidence is not None:
+        confidence.append(draft_confidence(logits, nxt, probs))
     if vocab_ids is not None:
         ids = vocab_ids[: logits.shape[-1]]
         nxt = ids[nxt]
@@ -42,6 +45,34 @@ def _draft_step(model, toks, pos, rows, sp, gen, vocab_limit, layers=None, vocab
     elif probs is not None and vocab_limit is not None:
         probs = F.pad(probs, (0, model.args.vocab_size - probs.shape[-1]))
     return nxt, probs
+
+
+def draft_confidence(logits, ids, probs=None) -> torch.Tensor:
+    """The drafter's probability of each row's draft: under its sampling distribution when it
+    samples, else under the softmax of its logits (as the traces' draft_prob), in float32."""
+    if probs is not None:
+        return probs.float().gather(-1, ids[..., None])[..., 0]
+    x = logits.float()
+    return torch.exp(x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1))
+
+
+def confident_steps(confidence: list[torch.Tensor], threshold: float) -> list[int]:
+    """Per row, how many leading drafts reach the threshold: a confidence rule proposes those and
+    drops the first draft below it (computed, not proposed)."""
+    ok = torch.stack(confidence, 1) >= threshold
+    return ok.int().cumprod(1).sum(1).tolist()
+
+
+def _below(confidence: list[torch.Tensor], threshold: float | None) -> bool:
+    """Every row's latest draft fell below the threshold (or an earlier one did): stop drafting."""
+    return threshold is not None and bool((torch.stack(confidence, 1) < threshold).any(1).all())
+
+
+def _cut(drafts: list[list[int]], probs: list, keep: list[int] | None):
+    """Drafts (and their distributions) cut to each row's confident length."""
+    if keep is None:
+        return drafts, probs
+    return [d[:n] for d, n in zip(drafts, keep)], [None if q is None else q[:n] for q, n in zip(probs, keep)]
 
 
 @dataclass
@@ -69,7 +100,9 @@ class Drafter(Protocol):
     def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen,
                 k: int | None = None) -> Proposal:
         """Up to k draft tokens per row (k None: self.k; never more than self.k, which any cache was
-        sized for: an adaptive policy asks for fewer); seqs[i] is row i's prompt + output so far."""
+        sized for: an adaptive policy asks for fewer); seqs[i] is row i's prompt + output so far.
+        Drafters that score their drafts (models, heads) also take stop_below, a confidence rule's
+        threshold: a row's drafts end before its first one the drafter gives a lower probability."""
         ...
 
     def width(self, k: int | None) -> int:
@@ -117,6 +150,12 @@ class NgramDrafter(Drafter):
     def lookup(self, seq: list[int], k: int | None = None) -> list[int]:
         return ngram_lookup(seq, self.width(k), self.min_n, self.max_n, self.prefer_recent, self.min_hits)
 
+    def lookup_match(self, seq: list[int], k: int | None = None) -> tuple[list[int], int]:
+        """The proposal and the length of the context suffix it matched (0: none), which a
+        confidence rule reads before each cycle (the traces' match_len)."""
+        return ngram_lookup(seq, self.width(k), self.min_n, self.max_n, self.prefer_recent, self.min_hits,
+                            with_match_len=True)
+
     def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
         toks = [self.lookup(s, k) for s in seqs]
         return Proposal(toks, [None] * len(toks))
@@ -150,7 +189,8 @@ class ModelDrafter(Drafter):
         write_kv(self.model, prompt, 0, row)
         self.draft_len[row] = len(prompt)
 
-    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen, k=None) -> Proposal:
+    def propose(self, rows: list[int], seqs: list[list[int]], sp: SamplingParams, gen, k=None,
+                stop_below: float | None = None) -> Proposal:
         k = self.width(k)
         dev = self.model.embed.weight.device
         # A row behind by more than a cycle's tail catches up alone, so that rows batched together
@@ -172,17 +212,20 @@ class ModelDrafter(Drafter):
         rows_t = torch.tensor(rows, device=dev)
         toks_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(pos, device=dev)
         out_toks, out_probs = [], []
+        conf = None if stop_below is None else []
         for _ in range(k):
             nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit,
-                                     vocab_ids=self.vocab_ids)
+                                     vocab_ids=self.vocab_ids, confidence=conf)
             out_toks.append(nxt)
             out_probs.append(probs)
+            if _below(conf, stop_below):
+                break
             toks_t, pos_t = nxt[:, None], pos_t[:, -1:] + 1
         drafts = torch.stack(out_toks, 1).tolist()
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
         for r, s in zip(rows, seqs):
-            self.draft_len[r] = len(s) + k - 1  # d_1..d_{k-1} were fed
-        return Proposal(drafts, probs)
+            self.draft_len[r] = len(s) + len(out_toks) - 1  # d_1..d_{steps-1} were fed
+        return Proposal(*_cut(drafts, probs, None if conf is None else confident_steps(conf, stop_below)))
 
     def accepted(self, rows, old_lens, n_accepted, features=None):
         for r, n, a in zip(rows, old_lens, n_accepted):
@@ -217,7 +260,7 @@ class SharedCacheDrafter(Drafter):
             if d.compile_mode:
                 d._mark_static()
 
-    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+    def propose(self, rows, seqs, sp, gen, k=None, stop_below: float | None = None) -> Proposal:
         k = self.width(k)
         self._share()
         dev = self.model.embed.weight.device
@@ -225,15 +268,18 @@ class SharedCacheDrafter(Drafter):
         toks_t = torch.tensor([[s[-1]] for s in seqs], device=dev)
         pos_t = torch.tensor([[len(s) - 1] for s in seqs], device=dev)
         out_toks, out_probs = [], []
+        conf = None if stop_below is None else []
         for _ in range(k):
             nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, self.layers,
-                                     self.vocab_ids)
+                                     self.vocab_ids, confidence=conf)
             out_toks.append(nxt)
             out_probs.append(probs)
+            if _below(conf, stop_below):
+                break
             toks_t, pos_t = nxt[:, None], pos_t + 1
         drafts = torch.stack(out_toks, 1).tolist()
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
-        return Proposal(drafts, probs)
+        return Proposal(*_cut(drafts, probs, None if conf is None else confident_steps(conf, stop_below)))
 
 
 class LayerSkipDrafter(SharedCacheDrafter):
@@ -273,8 +319,10 @@ class HeadDrafter(Drafter):
         self.head_len[row] = 0
         self.pending[row] = [features]
 
-    def _select(self, logits, sp, gen):
+    def _select(self, logits, sp, gen, confidence=None):
         ids, probs = select(logits, sp, gen)
+        if confidence is not None:
+            confidence.append(draft_confidence(logits, ids, probs))
         return self.head.to_target_ids(ids), _full_vocab_probs(probs, self.head, self.target.args.vocab_size)
 
     def _feed_long_tails(self, rows, seqs):
@@ -295,9 +343,10 @@ class HeadDrafter(Drafter):
             last = pieces[-1][0]
             self.head_len[r], self.pending[r] = start + last, [feats[last:]]
 
-    def propose(self, rows, seqs, sp, gen, k=None) -> Proposal:
+    def propose(self, rows, seqs, sp, gen, k=None, stop_below: float | None = None) -> Proposal:
         dev = self.target.embed.weight.device
         head, k = self.head, self.width(k)
+        conf = None if stop_below is None else []
         extra = k - 1 if head.parallel else 0  # P-EAGLE: k - 1 mask queries after the bonus token
         self._feed_long_tails(rows, seqs)
         tails = []
@@ -323,19 +372,21 @@ class HeadDrafter(Drafter):
         need_t = torch.tensor(need, device=dev)
         logits, nxt = head(self.target, torch.tensor(toks, device=dev), torch.stack(fts), pos_t, rows_t, need_t)
         if extra:
-            ids, probs = self._select(logits, sp, gen)
+            ids, probs = self._select(logits, sp, gen, conf)
             drafts = ids.view(len(rows), k).tolist()
             qs = [None] * len(rows) if probs is None else list(probs.view(len(rows), k, -1).unbind(0))
+            if conf is not None:  # one forward drafted all k: the rule cuts them where it would have stopped
+                conf = list(conf[0].view(len(rows), k).unbind(1))
         else:
             last = torch.tensor([len(tk) - 1 for _, tk, _ in tails], device=dev)  # each row's last real entry
             h = nxt[torch.arange(len(rows)), last][:, None]
             p = pos_t[torch.arange(len(rows)), last][:, None]
             out_ids, out_probs = [], []
             for j in range(k):
-                ids, probs = self._select(logits, sp, gen)
+                ids, probs = self._select(logits, sp, gen, conf)
                 out_ids.append(ids)
                 out_probs.append(probs)
-                if j == k - 1:
+                if j == k - 1 or _below(conf, stop_below):
                     break
                 p = p + 1
                 logits, h = head(self.target, ids[:, None], h, p, rows_t, torch.ones_like(p, dtype=torch.bool))
@@ -344,7 +395,7 @@ class HeadDrafter(Drafter):
         for r, s in zip(rows, seqs):
             self.head_len[r] = len(s) - 1
             self.pending[r] = []
-        return Proposal(drafts, qs)
+        return Proposal(*_cut(drafts, qs, None if conf is None else confident_steps(conf, stop_below)))
 
     def accepted(self, rows, old_lens, n_accepted, features=None):
         for i, (r, a) in enumerate(zip(rows, n_accepted)):

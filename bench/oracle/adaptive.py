@@ -97,9 +97,15 @@ class Adaptive(Policy):
         the Context of a batch-aware rule (None otherwise)."""
         return self.lanes_state(Lanes([t], [ctx], self.methods))
 
-    def choose(self, st, pos: int, avail) -> tuple[int, int, tuple[bool, ...]]:
+    def stop_below(self) -> float | None:
+        """A threshold on the drafter's probability of each draft at which the engine stops the
+        drafter mid-proposal (the first draft below it is not proposed); None: it drafts all k."""
+        return None
+
+    def choose(self, st, pos: int, avail, matched=None) -> tuple[int, int, tuple[bool, ...]]:
         """(method index, drafts wanted, which drafters run) for one row at generated position pos;
-        avail[j] the tokens method j's lookup can propose here (None: not a lookup)."""
+        avail[j] the tokens method j's lookup can propose here (None: not a lookup); matched[j] the
+        length of the context suffix that lookup matched (0: none), for rules that read it."""
         has = _one([a is not None for a in avail], bool)
         w, k, ran = self.choose_lanes(st, _one(0), _one(pos), _one([a or 0 for a in avail]), has)
         return int(w[0]), int(k[0]), tuple(bool(x) for x in ran[0])
@@ -430,8 +436,6 @@ class Confidence(Adaptive):
     threshold: float = 0.0
 
     kind, syntax = "conf", "conf:[CHEAP+]NEURAL[:M:KC]:KMAX:THR"
-    engine_refusal = ("reads the lookup's match length or the drafter's probabilities of its drafts, which the "
-                      "engine's adaptive drafter does not give a policy (only the lookups' proposal lengths)")
 
     @property
     def combined(self) -> bool:
@@ -499,6 +503,24 @@ class Confidence(Adaptive):
             w, drafts = np.where(cheap, 0, w), np.where(cheap, self.k_cheap, drafts)
             ran[:, 1] = ~cheap
         return w, drafts, ran
+
+    # The engine's calls (backends/native/adaptive.py): the rule reads nothing of a row's past, only
+    # what each cycle gives it before drafting (the lookup's match length), and the drafter applies
+    # the threshold itself as it drafts (stop_below), where the simulator reads draft_prob.
+    def begin(self, t, ctx) -> SimpleNamespace:
+        return SimpleNamespace()
+
+    def stop_below(self) -> float | None:
+        return self.threshold
+
+    def choose(self, st, pos, avail, matched=None):
+        W = len(self.methods)
+        if self.combined:
+            if matched is None or matched[0] is None:
+                raise ValueError(f"policy {self.name}: the engine gave no match length for {self.methods[0]}")
+            if matched[0] >= self.min_match:
+                return 0, self.k_cheap, (True, False)
+        return W - 1, self.k, (True,) * W
 
     def draft_time(self, cost, accounting, ran, verify, kv, il, missed=None):
         w = len(self.methods) - 1
