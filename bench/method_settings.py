@@ -167,7 +167,7 @@ class Adaptive(DraftLayersKnob, Method):
     sub-drafters read their own knobs (draft_layers here: draft_model's)."""
     name: str = "adaptive"
     drafter: str = "mixed"
-    policy: str = "match:ngram+draft_model:1:8:3"  # specsweep-oracle --policies syntax: match, ema, goodput, ucb, schedule
+    policy: str = "match:ngram+draft_model:1:8:3"  # specsweep-oracle --policies syntax: match, ema, goodput, ucb, schedule, conf
     cost_model: str | None = None  # goodput / ucb / schedule price their choices: a specsweep-fit-cost YAML or a named model
     accounting: str = "faithful"  # how the policy is charged for switching drafters (specsweep-oracle --accounting)
 

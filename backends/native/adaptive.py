@@ -15,9 +15,10 @@ from .drafters import Drafter, Proposal
 class AdaptiveDrafter(Drafter):
     """Sub-drafters (one per method the policy names, each built for up to `k` tokens) and a
     policy with `begin / choose / observe`. Per cycle and row: the lookups say how many tokens
-    they could propose here (the policy's `avail`), the policy picks (method, k), rows are drafted
-    in groups of equal (method, k), and after verification each row's outcome goes back to its
-    policy state. Every sub-drafter sees every row's accepted tokens, so a drafter with a cache of
+    they could propose here (the policy's `avail`) and how long a context suffix they matched
+    (`matched`), the policy picks (method, k), rows are drafted in groups of equal (method, k)
+    (a confidence rule's drafter stopping at its threshold: `stop_below`), and after verification
+    each row's outcome goes back to its policy state. Every sub-drafter sees every row's accepted tokens, so a drafter with a cache of
     its own (a draft model, a head) catches up on the cycles it did not draft; a separate draft
     model is prefilled when the policy first picks it for a row (ModelDrafter.lazy), so a request
     that never uses it never pays its prefill."""

@@ -65,7 +65,7 @@ def adaptive_policy(m: dict):
     if not isinstance(policy, Adaptive):
         raise ValueError(f"method.policy={spec!r}: the engine runs realizable adaptive policies only; use a kind of "
                          f"{', '.join(kinds)}")
-    if policy.engine_refusal:  # what the simulator replays and this drafter cannot do (conf, tree)
+    if policy.engine_refusal:  # what the simulator replays and this drafter cannot do (tree)
         raise ValueError(f"method.policy={spec!r} {policy.engine_refusal}; use a kind of {', '.join(kinds)}")
     bad = [n for n in policy.methods if n not in ADAPTIVE_DRAFTERS]
     if bad:

@@ -64,7 +64,8 @@ def confident_steps(confidence: list[torch.Tensor], threshold: float) -> list[in
 
 
 def _below(confidence: list[torch.Tensor], threshold: float | None) -> bool:
-    """Every row's latest draft fell below the threshold (or an earlier one did): stop drafting."""
+    """Every row's latest draft fell below the threshold (or an earlier one did): stop drafting.
+    (On a GPU this reads a flag back every draft step: whether to go on is the host's decision.)"""
     return threshold is not None and bool((torch.stack(confidence, 1) < threshold).any(1).all())
 
 
