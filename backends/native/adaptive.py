@@ -18,10 +18,10 @@ class AdaptiveDrafter(Drafter):
     they could propose here (the policy's `avail`) and how long a context suffix they matched
     (`matched`), the policy picks (method, k), rows are drafted in groups of equal (method, k)
     (a confidence rule's drafter stopping at its threshold: `stop_below`), and after verification
-    each row's outcome goes back to its policy state. Every sub-drafter sees every row's accepted tokens, so a drafter with a cache of
-    its own (a draft model, a head) catches up on the cycles it did not draft; a separate draft
-    model is prefilled when the policy first picks it for a row (ModelDrafter.lazy), so a request
-    that never uses it never pays its prefill."""
+    each row's outcome goes back to its policy state. Every sub-drafter sees every row's accepted
+    tokens, so a drafter with a cache of its own (a draft model, a head) catches up on the cycles
+    it did not draft; a separate draft model is prefilled when the policy first picks it for a
+    row (ModelDrafter.lazy), so a request that never uses it never pays its prefill."""
 
     def __init__(self, policy, methods: list[str], drafters: list[Drafter], k: int, label: str, context=None):
         self.policy, self.methods, self.subs, self.k, self.label = policy, methods, drafters, k, label
