@@ -42,10 +42,6 @@ def batches(job_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return both.drop(columns=["run_spec", "run_base"]).sort_values(["repeat", "batch"]), req
 
 
-def _setting(cfg, dotted: str):
-    return OmegaConf.select(cfg, dotted)
-
-
 def compare(job_a: Path, job_b: Path) -> dict:
     """The comparison of two completed jobs (ValueError naming what keeps them apart)."""
     cfgs = []
@@ -53,8 +49,8 @@ def compare(job_a: Path, job_b: Path) -> dict:
         if not (job / "config.yaml").exists() or not (job / "requests.parquet").exists():
             raise ValueError(f"{job} is not a completed job folder (needs config.yaml and requests.parquet)")
         cfgs.append(OmegaConf.load(job / "config.yaml"))
-    differ = [f"{k}: {_setting(cfgs[0], k)!r} against {_setting(cfgs[1], k)!r}" for k in SAME_REQUESTS
-              if _setting(cfgs[0], k) != _setting(cfgs[1], k)]
+    a_b = [(k, OmegaConf.select(cfgs[0], k), OmegaConf.select(cfgs[1], k)) for k in SAME_REQUESTS]
+    differ = [f"{k}: {x!r} against {y!r}" for k, x, y in a_b if x != y]
     if differ:
         raise ValueError("the two jobs did not run the same requests (" + "; ".join(differ) + ")")
     (a, req_a), (b, _) = batches(job_a), batches(job_b)

@@ -13,7 +13,7 @@ from ..cpu_probe import cpu_identity
 from . import kernels
 from .adaptive import AdaptiveDrafter
 from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NoDrafter, SharedCacheDrafter,
-                       SyntheticDrafter, ngram_drafter)
+                       SyntheticDrafter, draft_confidence, ngram_drafter)
 from .heads import default_head_dir, load_head, load_mtp_head
 from .engine import generate, margins_across_shapes, max_len_for, setup
 from .scheduler import serve
@@ -36,8 +36,7 @@ def greedy_with_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafter's greedy choice over the last dimension of its logits, and its probability under
     the drafter's softmax: exp(max - logsumexp), in float32."""
     ids = logits.argmax(-1)  # as the engine's drafters choose
-    x = logits.float()
-    return ids, torch.exp(x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1))
+    return ids, draft_confidence(logits, ids)  # the probability a confidence rule holds to its threshold
 
 
 def drafters_in(m: dict) -> set[str]:

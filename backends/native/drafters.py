@@ -56,24 +56,29 @@ def draft_confidence(logits, ids, probs=None) -> torch.Tensor:
     return torch.exp(x.gather(-1, ids[..., None])[..., 0] - torch.logsumexp(x, -1))
 
 
-def confident_steps(confidence: list[torch.Tensor], threshold: float) -> list[int]:
-    """Per row, how many leading drafts reach the threshold: a confidence rule proposes those and
-    drops the first draft below it (computed, not proposed)."""
-    ok = torch.stack(confidence, 1) >= threshold
-    return ok.int().cumprod(1).sum(1).tolist()
+class ConfidenceStop:
+    """A confidence rule's threshold as a drafter drafts (threshold None: no rule). `scores` is the
+    list each draft step's probabilities go to (_draft_step's confidence; None without a rule);
+    a row stays alive while each of its drafts reaches the threshold, the drafter stops once no
+    row is alive, and `cut` keeps each row's drafts before its first below (computed, not
+    proposed). On a GPU, `done` reads a flag back every draft step: going on is the host's choice."""
 
+    def __init__(self, threshold: float | None):
+        self.threshold = threshold
+        self.scores = None if threshold is None else []
 
-def _below(confidence: list[torch.Tensor], threshold: float | None) -> bool:
-    """Every row's latest draft fell below the threshold (or an earlier one did): stop drafting.
-    (On a GPU this reads a flag back every draft step: whether to go on is the host's decision.)"""
-    return threshold is not None and bool((torch.stack(confidence, 1) < threshold).any(1).all())
+    def kept(self) -> torch.Tensor:
+        """Per row, how many leading drafts reached the threshold."""
+        return (torch.stack(self.scores, 1) >= self.threshold).int().cumprod(1).sum(1)
 
+    def done(self) -> bool:
+        return self.scores is not None and not bool(self.kept().eq(len(self.scores)).any())
 
-def _cut(drafts: list[list[int]], probs: list, keep: list[int] | None):
-    """Drafts (and their distributions) cut to each row's confident length."""
-    if keep is None:
-        return drafts, probs
-    return [d[:n] for d, n in zip(drafts, keep)], [None if q is None else q[:n] for q, n in zip(probs, keep)]
+    def cut(self, drafts: list[list[int]], probs: list):
+        if self.scores is None:
+            return drafts, probs
+        keep = self.kept().tolist()
+        return [d[:n] for d, n in zip(drafts, keep)], [None if q is None else q[:n] for q, n in zip(probs, keep)]
 
 
 @dataclass
@@ -213,20 +218,20 @@ class ModelDrafter(Drafter):
         rows_t = torch.tensor(rows, device=dev)
         toks_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(pos, device=dev)
         out_toks, out_probs = [], []
-        conf = None if stop_below is None else []
+        stop = ConfidenceStop(stop_below)
         for _ in range(k):
             nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit,
-                                     vocab_ids=self.vocab_ids, confidence=conf)
+                                     vocab_ids=self.vocab_ids, confidence=stop.scores)
             out_toks.append(nxt)
             out_probs.append(probs)
-            if _below(conf, stop_below):
+            if stop.done():
                 break
             toks_t, pos_t = nxt[:, None], pos_t[:, -1:] + 1
         drafts = torch.stack(out_toks, 1).tolist()
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
         for r, s in zip(rows, seqs):
             self.draft_len[r] = len(s) + len(out_toks) - 1  # d_1..d_{steps-1} were fed
-        return Proposal(*_cut(drafts, probs, None if conf is None else confident_steps(conf, stop_below)))
+        return Proposal(*stop.cut(drafts, probs))
 
     def accepted(self, rows, old_lens, n_accepted, features=None):
         for r, n, a in zip(rows, old_lens, n_accepted):
@@ -269,18 +274,18 @@ class SharedCacheDrafter(Drafter):
         toks_t = torch.tensor([[s[-1]] for s in seqs], device=dev)
         pos_t = torch.tensor([[len(s) - 1] for s in seqs], device=dev)
         out_toks, out_probs = [], []
-        conf = None if stop_below is None else []
+        stop = ConfidenceStop(stop_below)
         for _ in range(k):
             nxt, probs = _draft_step(self.model, toks_t, pos_t, rows_t, sp, gen, self.vocab_limit, self.layers,
-                                     self.vocab_ids, confidence=conf)
+                                     self.vocab_ids, confidence=stop.scores)
             out_toks.append(nxt)
             out_probs.append(probs)
-            if _below(conf, stop_below):
+            if stop.done():
                 break
             toks_t, pos_t = nxt[:, None], pos_t + 1
         drafts = torch.stack(out_toks, 1).tolist()
         probs = [None] * len(rows) if sp.greedy else list(torch.stack(out_probs, 1).unbind(0))
-        return Proposal(*_cut(drafts, probs, None if conf is None else confident_steps(conf, stop_below)))
+        return Proposal(*stop.cut(drafts, probs))
 
 
 class LayerSkipDrafter(SharedCacheDrafter):
@@ -347,7 +352,7 @@ class HeadDrafter(Drafter):
     def propose(self, rows, seqs, sp, gen, k=None, stop_below: float | None = None) -> Proposal:
         dev = self.target.embed.weight.device
         head, k = self.head, self.width(k)
-        conf = None if stop_below is None else []
+        stop = ConfidenceStop(stop_below)
         extra = k - 1 if head.parallel else 0  # P-EAGLE: k - 1 mask queries after the bonus token
         self._feed_long_tails(rows, seqs)
         tails = []
@@ -373,21 +378,21 @@ class HeadDrafter(Drafter):
         need_t = torch.tensor(need, device=dev)
         logits, nxt = head(self.target, torch.tensor(toks, device=dev), torch.stack(fts), pos_t, rows_t, need_t)
         if extra:
-            ids, probs = self._select(logits, sp, gen, conf)
+            ids, probs = self._select(logits, sp, gen, stop.scores)
             drafts = ids.view(len(rows), k).tolist()
             qs = [None] * len(rows) if probs is None else list(probs.view(len(rows), k, -1).unbind(0))
-            if conf is not None:  # one forward drafted all k: the rule cuts them where it would have stopped
-                conf = list(conf[0].view(len(rows), k).unbind(1))
+            if stop.scores is not None:  # one forward drafted all k: the rule cuts them where it would have stopped
+                stop.scores[:] = stop.scores[0].view(len(rows), k).unbind(1)
         else:
             last = torch.tensor([len(tk) - 1 for _, tk, _ in tails], device=dev)  # each row's last real entry
             h = nxt[torch.arange(len(rows)), last][:, None]
             p = pos_t[torch.arange(len(rows)), last][:, None]
             out_ids, out_probs = [], []
             for j in range(k):
-                ids, probs = self._select(logits, sp, gen, conf)
+                ids, probs = self._select(logits, sp, gen, stop.scores)
                 out_ids.append(ids)
                 out_probs.append(probs)
-                if j == k - 1 or _below(conf, stop_below):
+                if j == k - 1 or stop.done():
                     break
                 p = p + 1
                 logits, h = head(self.target, ids[:, None], h, p, rows_t, torch.ones_like(p, dtype=torch.bool))
@@ -396,7 +401,7 @@ class HeadDrafter(Drafter):
         for r, s in zip(rows, seqs):
             self.head_len[r] = len(s) - 1
             self.pending[r] = []
-        return Proposal(*_cut(drafts, qs, None if conf is None else confident_steps(conf, stop_below)))
+        return Proposal(*stop.cut(drafts, qs))
 
     def accepted(self, rows, old_lens, n_accepted, features=None):
         for i, (r, a) in enumerate(zip(rows, n_accepted)):

@@ -203,16 +203,15 @@ def paired_speedup(spec_tokens, spec_s, base_tokens, base_s, n_boot: int = 2000,
     from resample to resample (which would widen the interval with a spread that no rerun of the
     same workload can show); the expansion then counts n - strata + 1 units. One stratum is the
     plain bootstrap, draw for draw."""
-    st, ss, bt, bs = (np.asarray(v, float) for v in (spec_tokens, spec_s, base_tokens, base_s))
-    n = len(st)
-    if not n or ss.sum() <= 0 or bs.sum() <= 0:
+    cols = [np.asarray(v, float) for v in (spec_tokens, spec_s, base_tokens, base_s)]
+    n = len(cols[0])
+    if not n or cols[1].sum() <= 0 or cols[3].sum() <= 0:
         return {"speedup": math.nan, "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "speedup_pairs": n}
-    point = float((st.sum() / ss.sum()) / (bt.sum() / bs.sum()))
+    point = float(_ratio_of_sums(cols))
     if n < 2:
         return {"speedup": point, "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "speedup_pairs": n}
     idx, units = cluster_resamples(n, n_boot, seed, strata)
-    boots = (st[idx].sum(1) / ss[idx].sum(1)) / (bt[idx].sum(1) / bs[idx].sum(1))
-    lo, hi = bootstrap_interval(boots, units)
+    lo, hi = bootstrap_interval(_ratio_of_sums(cols, idx), units)
     return {"speedup": point, "speedup_ci_low": float(lo), "speedup_ci_high": float(hi), "speedup_pairs": n}
 
 
@@ -225,10 +224,8 @@ def versus(a: pd.DataFrame, b: pd.DataFrame, n_boot: int = 2000, seed: int = 0, 
     that is easy for every method moves both speedups alike and cancels from the ratio, which two
     separate intervals cannot show (expanded for few batches; stratified as paired_speedup)."""
     def ratio(x, idx=None):
-        cols = [np.asarray(x[c], float) for c in ("tokens_spec", "wall_s_spec", "tokens_base", "wall_s_base")]
-        if idx is None:
-            return (cols[0].sum() / cols[1].sum()) / (cols[2].sum() / cols[3].sum())
-        return (cols[0][idx].sum(-1) / cols[1][idx].sum(-1)) / (cols[2][idx].sum(-1) / cols[3][idx].sum(-1))
+        return _ratio_of_sums([np.asarray(x[c], float) for c in ("tokens_spec", "wall_s_spec", "tokens_base",
+                                                                 "wall_s_base")], idx)
 
     n = len(a)
     if n != len(b):
@@ -243,6 +240,14 @@ def versus(a: pd.DataFrame, b: pd.DataFrame, n_boot: int = 2000, seed: int = 0, 
         idx, units = cluster_resamples(n, n_boot, seed, strata)
         out["ratio_ci_low"], out["ratio_ci_high"] = bootstrap_interval(ratio(a, idx) / ratio(b, idx), units)
     return out
+
+
+def _ratio_of_sums(cols, idx=None):
+    """The paired speedup of batches (spec tokens, spec seconds, baseline tokens, baseline seconds):
+    (sum spec tokens / sum spec seconds) / (sum baseline tokens / sum baseline seconds); with idx,
+    an (n_boot, n) array of resampled batches, one value per resample."""
+    st, ss, bt, bs = cols if idx is None else (c[idx] for c in cols)
+    return (st.sum(-1) / ss.sum(-1)) / (bt.sum(-1) / bs.sum(-1))
 
 
 def cluster_resamples(n: int, n_boot: int, seed: int, strata=None) -> tuple[np.ndarray, int]:
