@@ -106,12 +106,13 @@ def _progress_factory(name: str, total: int):
 
 
 # The CLI table's short headers, one legend line explaining them (every column: docs/columns.md).
-SHORT = {"backend": "engine", "batch_size": "batch", "temperature": "T", "speedup": "speedup [95%]",
+SHORT = {"backend": "engine", "batch_size": "batch", "num_speculative_tokens": "k", "temperature": "T", "speedup": "speedup [95%]",
          "acceptance_rate": "alpha", "mean_acceptance_length": "tau",
          "verify_fraction": "verify", "draft_fraction": "draft", "baseline_roofline_share": "roofline",
          "load_label": "load", "tpot_speedup": "TPOT x", "goodput_rps": "goodput", "baseline_goodput_rps": "goodput off",
          "aa_verdict": "A/A", "prompt_tokens": "in"}
-LEGEND = ("alpha: acceptance rate; tau: mean acceptance length; verify, draft: share of decode time; roofline: "
+LEGEND = ("alpha: acceptance rate; tau: mean acceptance length; k: draft length (at most); verify, draft: share of "
+          "decode time; roofline: "
           "baseline step against its weight-read time (below 50% flagged); TPOT x: TPOT speedup under load; "
           "every column: docs/columns.md")
 PERCENT = {"verify_fraction": 0, "draft_fraction": 1, "baseline_roofline_share": 0}

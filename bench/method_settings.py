@@ -89,12 +89,8 @@ class DraftModel(DraftVocabKnob, DraftLayersKnob, DraftPathKnob, Method):
 
 
 @dataclass
-class QuantizedDraft(DraftVocabKnob, Method):
-    """A quantized self-draft: the target's own weights at `bits` (weight-only: int8 per output row,
-    or int4 in groups) draft for it, a copy that reads 4x or 8x fewer bytes a step than a float32
-    target and needs no training."""
-    name: str = "quantized_draft"
-    drafter: str = "model"
+class QuantizedKnobs:
+    """The quantized self-draft's knobs (method=quantized_draft, and adaptive's sub-drafter of that name)."""
     bits: int = 8  # 8 (int8, one scale per row) or 4 (int4, a scale and an offset per group of up to 128 inputs)
     draft_vocab_from: str = "text"  # which ids draft_vocab keeps: text (the most frequent in the standard library and the language reference, end-of-turn ids first) or ids (the first N)
     # target: the copy reads and writes the target's KV cache (no prefill or catch-up through the
@@ -102,6 +98,15 @@ class QuantizedDraft(DraftVocabKnob, Method):
     # earlier position; own: a cache of its own, fed the prompt and every accepted token (what every
     # quantized_draft measurement recorded before this knob ran)
     kv_cache: str = "target"
+
+
+@dataclass
+class QuantizedDraft(QuantizedKnobs, DraftVocabKnob, Method):
+    """A quantized self-draft: the target's own weights at `bits` (weight-only: int8 per output row,
+    or int4 in groups) draft for it, a copy that reads 4x or 8x fewer bytes a step than a float32
+    target and needs no training."""
+    name: str = "quantized_draft"
+    drafter: str = "model"
 
 
 @dataclass
@@ -160,11 +165,12 @@ class Combined(NgramKnobs, HeadKnob, Method):
 
 
 @dataclass
-class Adaptive(DraftLayersKnob, Method):
+class Adaptive(DraftLayersKnob, QuantizedKnobs, DraftVocabKnob, Method):
     """A realizable policy chooses per row and per cycle which drafter drafts and how many tokens
     (0: a plain step), from the row's past only: the oracle's own policy objects
     (bench/oracle/adaptive.py), run in the native engine. Lossless: verification is unchanged. The
-    sub-drafters read their own knobs (draft_layers here: draft_model's)."""
+    sub-drafters read their own knobs (draft_layers: draft_model's; bits, draft_vocab_from,
+    kv_cache: quantized_draft's; draft_vocab: every model drafter's)."""
     name: str = "adaptive"
     drafter: str = "mixed"
     policy: str = "match:ngram+draft_model:1:8:3"  # specsweep-oracle --policies syntax: match, ema, goodput, ucb, schedule, conf

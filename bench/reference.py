@@ -87,10 +87,11 @@ def _dataclass_rows(cls, prefix: str = "", skip=("_target_",)) -> list[str]:
 
 def _yaml_rows(path: Path, prefix: str) -> tuple[str, list[str]]:
     """(the file's leading comment, a row per key: default and the comment on its line)."""
-    text = path.read_text()
-    head = " ".join(l.lstrip("#").strip() for l in text.splitlines() if l.startswith("#")
-                    and text.splitlines().index(l) < next((i for i, x in enumerate(text.splitlines())
-                                                           if x and not x.startswith("#")), 0))
+    lines = path.read_text().splitlines()
+    first_key = next((i for i, x in enumerate(lines) if x and not x.startswith("#")), len(lines))
+    # Hydra's package directive is for Hydra, not the reader
+    head = " ".join(l.lstrip("#").strip() for l in lines[:first_key] if l.startswith("#") and "@package" not in l)
+    text = "\n".join(lines)
     values = yaml.safe_load(text) or {}
     rows = []
     for line in text.splitlines():
@@ -116,8 +117,8 @@ def config_page() -> str:
            "with a near match.", "",
            "## Top level (`bench/config.py`, `SweepConfig`)", "",
            "| key | type | default | meaning |", "|---|---|---|---|", *_dataclass_rows(SweepConfig), "",
-           "The default sweep (`conf/config.yaml`, `hydra.sweeper.params`) sweeps "
-           + ", ".join(f"`{k}={v}`" for k, v in yaml.safe_load((CONF / "config.yaml").read_text())
+           "The default sweep (`conf/axes/default.yaml`, `hydra.sweeper.params`) sweeps "
+           + ", ".join(f"`{k}={v}`" for k, v in yaml.safe_load((CONF / "axes" / "default.yaml").read_text())
                        ["hydra"]["sweeper"]["params"].items())
            + "; a swept key given on the command line replaces its list.", "",
            "### `slo`", "", "| key | type | default | meaning |", "|---|---|---|---|",
@@ -156,6 +157,14 @@ def config_page() -> str:
     for f in sorted(CONF.glob("preset/*.yaml")):
         head, _ = _yaml_rows(f, "")
         out += [f"- `+preset={f.stem}`: {head}"]
+    out += ["", "## Contenders (`+contender=NAME`)", "",
+            "A method with its own knobs and draft length in one name, for a sweep that compares methods each at "
+            "its own settings: `specsweep -m axes=none +contender=A,B workload=chat` (`axes=none` drops the default "
+            "sweep's lists, since a swept `method` would replace each contender's; a preset sets `override /axes: "
+            "none`). Each is a yaml file in `conf/contender/`; add your own beside them:", ""]
+    for f in sorted(CONF.glob("contender/*.yaml")):
+        head, _ = _yaml_rows(f, "")
+        out += [f"- `+contender={f.stem}`: {head}"]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -164,7 +173,11 @@ def cli_page() -> str:
     for cmd in COMMANDS:
         # a fixed width: argparse wraps to the terminal's, and the page must not depend on it
         env = {**os.environ, "COLUMNS": "100"}
-        text = subprocess.run([cmd, "--help"], capture_output=True, text=True, timeout=120, env=env).stdout.rstrip()
+        r = subprocess.run([cmd, "--help"], capture_output=True, text=True, timeout=120, env=env)
+        if r.returncode != 0 or not r.stdout.strip():  # a broken install must not write an empty page
+            raise SystemExit(f"bench.reference: `{cmd} --help` failed (rc {r.returncode}): {r.stderr.strip()[-400:]}\n"
+                             "is the project installed (pip install -e .)?")
+        text = r.stdout.rstrip()
         out += [f"## `{cmd}`", "", "```text", text, "```", ""]
     return "\n".join(out).rstrip() + "\n"
 

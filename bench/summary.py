@@ -245,7 +245,7 @@ def checked_row(row: dict) -> dict:
 
 
 # --- views: which columns each output shows, in its order -----------------------------------------
-TABLE_COLUMNS = ("backend", "method", "workload", "batch_size", "temperature", "status", "speedup", "acceptance_rate",
+TABLE_COLUMNS = ("backend", "method", "workload", "batch_size", "num_speculative_tokens", "temperature", "status", "speedup", "acceptance_rate",
                  "mean_acceptance_length", "verify_fraction", "draft_fraction",
                  "baseline_roofline_share", "lossless")  # the CLI's table after a sweep (120 columns)
 REPORT_COLUMNS = ("method", "workload", "batch_size", "temperature", "num_speculative_tokens", "status", "speedup",

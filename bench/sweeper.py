@@ -57,8 +57,20 @@ def check_sweep(config) -> list[tuple[int, int]] | None:
     used, ignored = set(), {}  # method keys some job's engine reads; keys ignored -> the methods ignoring them
     from omegaconf import open_dict
 
+    from hydra.errors import ConfigCompositionException
+
     for job in jobs:
-        cfg = loader.load_sweep_config(config, job)
+        contender = [o for o in job if o.startswith("+contender=")]
+        method = [o for o in job if o.startswith("method=")]
+        if contender and method:  # Hydra would quietly let the swept method win over the contender's
+            problems.append(f"  job {' '.join(job)}: {method[0]} replaces the method of {contender[0]}; drop the "
+                            "default sweep's lists with axes=none, or the method (docs/guides/sweeps.md)")
+            continue
+        try:
+            cfg = loader.load_sweep_config(config, job)
+        except ConfigCompositionException as e:  # a job whose overrides do not compose, named with the cause
+            problems.append(f"  job {' '.join(job)}: {' '.join(str(e.__cause__ or e).split())}")
+            continue
         with open_dict(cfg):
             del cfg["hydra"]  # the job's own config, as the launcher hands it to the job
         try:

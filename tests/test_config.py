@@ -259,6 +259,44 @@ def test_the_pre_check_expands_a_sweep_as_hydras_basic_sweeper_does():
     assert len(default) == 8 and {j[1] for j in default} == {"workload=code_edit", "workload=chat"}
 
 
+def test_contenders_keep_their_own_method_knobs_and_draft_length_in_one_sweep(tmp_path):
+    """+preset=combination sweeps conf/contender (each a method with its own knobs and k) with
+    the default axes dropped: three jobs, each composed with its contender's method, k and knobs;
+    from the command line axes=none does the same, and without it a swept method would win."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from bench.sweeper import sweep_jobs
+
+    def composed(*overrides):
+        multirun = compose("config", overrides=list(overrides), return_hydra_config=True)
+        loader = GlobalHydra.instance().config_loader()
+        return [loader.load_sweep_config(multirun, j) for j in sweep_jobs(multirun)]
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        preset = composed("+preset=combination", f"results_dir={tmp_path}")
+        by_hand = composed("axes=none", "+contender=int4_self_draft", "workload=chat")
+        with pytest.raises(Exception, match="bits"):  # the default axes' method=ngram,draft_model overrides it
+            composed("+contender=int4_self_draft")
+    got = {(c.method.name, c.num_speculative_tokens, c.method.get("bits"), c.workload.name, c.batch_size) for c in preset}
+    assert got == {("ngram", 4, None, "math", 1), ("quantized_draft", 2, 4, "math", 1), ("adaptive", 8, 4, "math", 1)}
+    rule = next(c for c in preset if c.method.name == "adaptive")
+    assert rule.method.policy.startswith("conf:ngram+quantized_draft") and rule.method.draft_vocab == 16384
+    assert [(c.method.name, c.num_speculative_tokens, c.method.bits, c.workload.name) for c in by_hand] == [
+        ("quantized_draft", 2, 4, "chat")]
+    r = subprocess.run([sys.executable, "-m", "bench.cli", "-m", "+contender=ngram", f"results_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "method=draft_model replaces the method of +contender=ngram" in r.stderr
+    assert "axes=none" in r.stderr and not list(tmp_path.glob("*/*/summary.json"))
+    from omegaconf import open_dict
+
+    from bench.jobspec import check_job
+
+    for c in preset:  # each job passes the checks a sweep runs before any model loads
+        with open_dict(c):
+            del c["hydra"]
+        check_job(c)
+
+
 def test_an_interpolated_override_reaches_each_job_unresolved():
     """num_prompts=${batch_size}: each job resolves it in its own config (one batch a job at
     every batch size), as Hydra's sweeper hands it on; the pre-check must not resolve it first

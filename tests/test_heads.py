@@ -194,6 +194,29 @@ def test_combined_sampling_reproduces_the_target_distribution(tiny):
     assert sources.count("ngram") > 50 and sources.count("neural") > 50
 
 
+def test_the_shipped_head_is_found_for_the_default_model_only_and_carries_its_training_record(tiny, tmp_path):
+    from backends.native.heads import shipped_head_dir
+
+    folder = shipped_head_dir("gemma3-270m", "eagle3")
+    assert folder is not None and shipped_head_dir("gemma3-270m", "p_eagle") is None
+    assert shipped_head_dir(str(tmp_path), "eagle3") is None  # a head fits one target: no other model gets it
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 50e6
+    w = load_file(str(folder / "model.safetensors"))
+    assert w["lm_head.weight"].dtype == torch.bfloat16 and w["t2d"].dtype == torch.bool and w["d2t"].dtype == torch.int64
+    record = json.loads((folder / "specsweep_train.json").read_text())
+    assert record["command"].startswith("specsweep-train-eagle --data text")  # how it was made, beside it
+    assert record["data_tokens"] > 400_000 and "target" not in record  # no path of the training machine
+    assert record["shipped"]["held_out"]["acceptance_rate"] > record["held_out_random_head"]["acceptance_rate"]
+    # a bfloat16 save loads back at the target's dtype: the original's weights rounded to bfloat16
+    model, _, args, prompts = tiny
+    head = _eagle3(args, parallel=True)
+    save_eagle3_head(head, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = load_head(tmp_path / "bf16", model, args, "eagle3", parallel=True)
+    assert loaded.fc.weight.dtype == torch.float32
+    assert torch.equal(loaded.fc.weight, head.fc.weight.to(torch.bfloat16).float())
+
+
 def test_head_errors_name_the_problem(tiny, tiny_llama, tmp_path, monkeypatch):
     model, _, args, _ = tiny
     save_eagle3_head(_eagle3(args), tmp_path / "e3")

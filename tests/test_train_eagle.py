@@ -51,6 +51,18 @@ def test_trained_head_in_the_engine_is_lossless_and_its_traces_are_exact(trained
     assert checked > 5 and acc.max() > 1
 
 
+def test_a_fresh_install_drafts_with_the_shipped_head(gemma, tmp_path, monkeypatch):
+    # no head trained on this machine (where the trainer writes, nothing), as on a fresh install
+    monkeypatch.setattr("backends.native.backend.default_head_dir", lambda model, method: tmp_path / method)
+    b = NativeBackend({"path": "gemma3-270m"}, {"name": "eagle3"}, num_speculative_tokens=2)
+    assert "shipped_heads/gemma3-270m/eagle3" in b.describe()["drafter"]
+    ids = [b.tokenize(t) for t in PROMPTS]
+    base = b.generate(ids, Sampling(), 32, speculative=False)
+    spec = b.generate(ids, Sampling(), 32, speculative=True)
+    assert [r.output_token_ids for r in spec.requests] == [r.output_token_ids for r in base.requests]
+    assert sum(c["accepted"] for c in spec.cycles) > 0  # a random head accepts nothing (see the test above)
+
+
 def test_train_command_errors():
     r = subprocess.run([sys.executable, "-m", "backends.native.train_eagle", "--draft-vocab", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "--draft-vocab=0 is not valid" in r.stderr

@@ -14,7 +14,7 @@ from . import kernels
 from .adaptive import AdaptiveDrafter
 from .drafters import (CombinedDrafter, HeadDrafter, LayerSkipDrafter, ModelDrafter, NoDrafter, SharedCacheDrafter,
                        SyntheticDrafter, draft_confidence, ngram_drafter)
-from .heads import default_head_dir, load_head, load_mtp_head
+from .heads import default_head_dir, load_head, load_mtp_head, shipped_head_dir
 from .engine import generate, margins_across_shapes, max_len_for, setup
 from .scheduler import serve
 from .loading import load_model
@@ -324,10 +324,12 @@ class NativeBackend(Backend):
         if head_path is None:
             if name == "eagle":
                 raise ValueError("method eagle needs method.head_path: a folder with an EAGLE head for this model")
-            head_path = default_head_dir(self.model_path, name)
-            if not head_path.exists():
+            trained_here = default_head_dir(self.model_path, name)
+            # a head the user trained wins over the one the package ships (where there is one)
+            head_path = trained_here if trained_here.exists() else shipped_head_dir(self.model_path, name)
+            if head_path is None:
                 raise FileNotFoundError(
-                    f"no {name} head for model {self.model_path!r} at {head_path}; train one with "
+                    f"no {name} head for model {self.model_path!r} at {trained_here}; train one with "
                     f"`specsweep-train-eagle --model {self.model_path}{' --parallel' if name == 'p_eagle' else ''}` "
                     "or pass method.head_path=FOLDER")
         dtype = self.model.embed.weight.dtype

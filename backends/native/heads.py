@@ -295,9 +295,11 @@ def load_head(path: str | Path, target, target_args: ModelArgs, expect: str, par
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def save_eagle3_head(head: DraftHead, folder: str | Path, extra_config: dict | None = None) -> Path:
+def save_eagle3_head(head: DraftHead, folder: str | Path, extra_config: dict | None = None,
+                     dtype: torch.dtype = torch.float32) -> Path:
     """Write an EAGLE-3 (or P-EAGLE) head in the published layout: config.json + model.safetensors
-    with fc, midlayer.*, norm, lm_head, d2t (offsets) and t2d (bool mask over the target vocabulary)."""
+    with fc, midlayer.*, norm, lm_head, d2t (offsets) and t2d (bool mask over the target vocabulary);
+    the weights in dtype (bfloat16 halves the file; load_head casts back to the target's dtype)."""
     assert head.kind == "eagle3" and len(head.layers) == 1
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -313,12 +315,13 @@ def save_eagle3_head(head: DraftHead, folder: str | Path, extra_config: dict | N
             state[inv[k]] = t
     if head.parallel:
         state["mask_hidden"] = head.mask_hidden.reshape(1, 1, -1)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(folder / "model.safetensors"))
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 (d2t, t2d stay integer / bool)
+    save_file({k: cast(v.detach()).contiguous().cpu() for k, v in state.items()}, str(folder / "model.safetensors"))
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": a.dim,
            "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
            "head_dim": a.head_dim, "num_hidden_layers": 1, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
            "vocab_size": a.vocab_size, "draft_vocab_size": head.draft_vocab, "target_hidden_size": head.fc.in_features // len(head.capture),
-           "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+           "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.capture)}}
     if head.parallel:
         cfg.update(parallel_drafting=True, mask_token_id=head.mask_token_id, ptd_token_id=head.mask_token_id)
@@ -374,6 +377,18 @@ def default_head_dir(model_path: str, method: str) -> Path:
     key = DEFAULT_MODEL if model_path == DEFAULT_MODEL else (
         Path(model_path).name + "-" + hashlib.sha256(str(Path(model_path).expanduser().resolve()).encode()).hexdigest()[:8])
     return cache_root() / "heads" / key / method
+
+
+SHIPPED_HEADS = Path(__file__).parent / "shipped_heads"  # heads that come with the package, per model and method
+
+
+def shipped_head_dir(model_path: str, method: str) -> Path | None:
+    """The head the package ships for this model and method (only the default model has one:
+    shipped_heads/README.md says how each was trained), or None."""
+    from .loading import DEFAULT_MODEL
+
+    folder = SHIPPED_HEADS / DEFAULT_MODEL / method
+    return folder if model_path == DEFAULT_MODEL and (folder / "config.json").exists() else None
 
 
 def new_eagle3_head(target_args: ModelArgs, draft_ids: Tensor, parallel: bool = False, mask_token_id: int | None = None,
