@@ -235,6 +235,13 @@ def test_head_errors_name_the_problem(tiny, tiny_llama, tmp_path, monkeypatch):
         NativeBackend({"path": str(tiny_llama)}, {"name": "combined", "neural": "ngram"})
     with pytest.raises(ValueError, match="method eagle needs method.head_path"):
         NativeBackend({"path": str(tiny_llama)}, {"name": "eagle"})
+    # the sweep's pre-check says the same before any model loads, for a head a mixed drafter needs too
+    for method, flag in (({"name": "p_eagle"}, " --parallel"), ({"name": "combined", "neural": "eagle3"}, "`")):
+        with pytest.raises(FileNotFoundError, match=f"specsweep-train-eagle --model {tiny_llama}{flag}"):
+            NativeBackend.check_config({}, {"path": str(tiny_llama)}, method, 3)
+    with pytest.raises(ValueError, match="method eagle needs method.head_path"):
+        NativeBackend.check_config({}, {"path": str(tiny_llama)}, {"name": "eagle"}, 3)
+    NativeBackend.check_config({}, {"path": str(tiny_llama)}, {"name": "p_eagle", "head_path": str(tmp_path / "e3")}, 3)
     other = load_model(str(tiny_llama))[2]
     from dataclasses import replace
 

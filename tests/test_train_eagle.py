@@ -54,6 +54,9 @@ def test_trained_head_in_the_engine_is_lossless_and_its_traces_are_exact(trained
 def test_a_fresh_install_drafts_with_the_shipped_head(gemma, tmp_path, monkeypatch):
     # no head trained on this machine (where the trainer writes, nothing), as on a fresh install
     monkeypatch.setattr("backends.native.backend.default_head_dir", lambda model, method: tmp_path / method)
+    NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "eagle3"}, 2)  # the pre-check finds it
+    with pytest.raises(FileNotFoundError, match="no p_eagle head"):  # only EAGLE-3 ships
+        NativeBackend.check_config({}, {"path": "gemma3-270m"}, {"name": "p_eagle"}, 2)
     b = NativeBackend({"path": "gemma3-270m"}, {"name": "eagle3"}, num_speculative_tokens=2)
     assert "shipped_heads/gemma3-270m/eagle3" in b.describe()["drafter"]
     ids = [b.tokenize(t) for t in PROMPTS]

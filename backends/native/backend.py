@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -45,6 +46,23 @@ def drafters_in(m: dict) -> set[str]:
     if m.get("name") == "adaptive" and m.get("policy"):
         names |= set(adaptive_policy(m)[0].methods)
     return {n for n in names if n}
+
+
+def default_head(model_path: str, name: str) -> Path:
+    """The head a method drafts with when method.head_path is not given: one specsweep-train-eagle
+    wrote on this machine, else the one the package ships for this model; an error naming the
+    trainer's command where there is neither (the pre-check raises it before any model loads)."""
+    if name == "eagle":
+        raise ValueError("method eagle needs method.head_path: a folder with an EAGLE head for this model")
+    trained_here = default_head_dir(model_path, name)
+    # a head the user trained wins over the one the package ships (where there is one)
+    head = trained_here if trained_here.exists() else shipped_head_dir(model_path, name)
+    if head is None:
+        raise FileNotFoundError(
+            f"no {name} head for model {model_path!r} at {trained_here}; train one with "
+            f"`specsweep-train-eagle --model {model_path}{' --parallel' if name == 'p_eagle' else ''}` "
+            "or pass method.head_path=FOLDER")
+    return head
 
 
 def adaptive_policy(m: dict):
@@ -152,6 +170,9 @@ class NativeBackend(Backend):
             if cfg.device != "cpu":
                 raise ValueError(f"method quantized_draft runs torch's CPU kernels for int8 and int4 weights; "
                                  f"backend.device={cfg.device} is not cpu")
+        if not method.get("head_path"):
+            for name in sorted(drafters_in(method) & {"eagle", "eagle3", "p_eagle"}):
+                default_head(model["path"], name)
         for key in ("draft_path", "head_path"):
             if method.get(key):
                 from pathlib import Path
@@ -322,16 +343,7 @@ class NativeBackend(Backend):
     def _load_head(self, name: str, head_path: str | None):
         kind = "eagle" if name == "eagle" else "eagle3"
         if head_path is None:
-            if name == "eagle":
-                raise ValueError("method eagle needs method.head_path: a folder with an EAGLE head for this model")
-            trained_here = default_head_dir(self.model_path, name)
-            # a head the user trained wins over the one the package ships (where there is one)
-            head_path = trained_here if trained_here.exists() else shipped_head_dir(self.model_path, name)
-            if head_path is None:
-                raise FileNotFoundError(
-                    f"no {name} head for model {self.model_path!r} at {trained_here}; train one with "
-                    f"`specsweep-train-eagle --model {self.model_path}{' --parallel' if name == 'p_eagle' else ''}` "
-                    "or pass method.head_path=FOLDER")
+            head_path = default_head(self.model_path, name)
         dtype = self.model.embed.weight.dtype
         head = load_head(head_path, self.model, self.args, kind, parallel=name == "p_eagle", dtype=dtype, device=self.cfg.device)
         info = head.info(str(head_path))
