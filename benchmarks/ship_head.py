@@ -3,7 +3,7 @@ default model, in the same published EAGLE-3 layout, with its training record, a
 check the trainer ran repeated on the copy (same held-out prompts, k, token count), so the
 record says what the copy itself reaches. Not a test: a maintainer's step after training.
 
-  python benchmarks/ship_head.py [--method p_eagle] [--src FOLDER]
+  python benchmarks/ship_head.py [--method eagle3|p_eagle] [--src FOLDER]
 
 --src defaults to where the trainer writes for the default model; the copy goes to
 backends/native/shipped_heads/<model>/<method>/, where the engine finds it when no head was
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     from backends.native.train_eagle import DEFAULT_WORKLOADS, eval_prompts, held_out_acceptance
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=("eagle3", "p_eagle"), default="p_eagle")
+    ap.add_argument("--method", choices=("eagle3", "p_eagle"), default="eagle3")
     ap.add_argument("--src", type=Path, help="the trained head's folder (default: where the trainer writes)")
     a = ap.parse_args(argv)
     src = a.src or default_head_dir(DEFAULT_MODEL, a.method)
