@@ -91,10 +91,9 @@ def _yaml_rows(path: Path, prefix: str) -> tuple[str, list[str]]:
     first_key = next((i for i, x in enumerate(lines) if x and not x.startswith("#")), len(lines))
     # Hydra's package directive is for Hydra, not the reader
     head = " ".join(l.lstrip("#").strip() for l in lines[:first_key] if l.startswith("#") and "@package" not in l)
-    text = "\n".join(lines)
-    values = yaml.safe_load(text) or {}
+    values = yaml.safe_load("\n".join(lines)) or {}
     rows = []
-    for line in text.splitlines():
+    for line in lines:
         m = re.match(r"^(\w+):(.*)$", line)
         if not m or m.group(1) == "defaults":
             continue

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     for path_on_the_training_machine in ("data_dir", "target"):
         record.pop(path_on_the_training_machine, None)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["specsweep"] = {key: v for key, v in record.items() if key not in ("target", "held_out_estimates")}
+    cfg["specsweep"] = {key: v for key, v in record.items() if key != "held_out_estimates"}
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     (dst / "specsweep_train.json").write_text(json.dumps(record, indent=1))
     mb = sum(f.stat().st_size for f in dst.iterdir()) / 1e6

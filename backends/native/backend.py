@@ -29,6 +29,7 @@ METHODS = ("autoregressive", "ngram", "draft_model", "quantized_draft", "layer_s
 # what an adaptive policy may choose between: drafters that keep to their own rows' state
 ADAPTIVE_DRAFTERS = ("ngram", "draft_model", "quantized_draft", "eagle", "eagle3", "p_eagle", "mtp")
 NEURAL_FOR_COMBINED = ("eagle", "eagle3", "p_eagle", "mtp", "quantized_draft")
+HEAD_FOLDER_METHODS = ("eagle", "eagle3", "p_eagle")  # draft with a head folder (method.head_path or a default one)
 log = logging.getLogger("specsweep")
 _LOADED: dict[tuple, tuple] = {}  # one loaded model per process, reused across the jobs of a sweep
 
@@ -165,18 +166,17 @@ class NativeBackend(Backend):
         resolve_model_path(model["path"])
         if method.get("name") == "adaptive":
             adaptive_policy(method)
-        if "quantized_draft" in drafters_in(method):
+        drafters = drafters_in(method)
+        if "quantized_draft" in drafters:
             _quantized_knobs(method)
             if cfg.device != "cpu":
                 raise ValueError(f"method quantized_draft runs torch's CPU kernels for int8 and int4 weights; "
                                  f"backend.device={cfg.device} is not cpu")
         if not method.get("head_path"):
-            for name in sorted(drafters_in(method) & {"eagle", "eagle3", "p_eagle"}):
+            for name in sorted(drafters.intersection(HEAD_FOLDER_METHODS)):
                 default_head(model["path"], name)
         for key in ("draft_path", "head_path"):
             if method.get(key):
-                from pathlib import Path
-
                 if not Path(method[key]).expanduser().exists():
                     raise FileNotFoundError(f"method.{key}={method[key]!r} does not exist; pass an existing "
                                             f"{'model file or folder' if key == 'draft_path' else 'head folder'}")
@@ -291,7 +291,7 @@ class NativeBackend(Backend):
                                  f"indices in 0..{n_layers - 1}")
             keep = [i for i in range(n_layers) if i not in skip]
             return LayerSkipDrafter(self.model, k, keep, f"self-speculation skipping layers {skip} of {n_layers}{vocab_note}", vocab)
-        if name in ("eagle", "eagle3", "p_eagle"):
+        if name in HEAD_FOLDER_METHODS:
             head, label = self._load_head(name, m.get("head_path"))
             return HeadDrafter(head, self.model, k, label)
         if name == "mtp":
